@@ -1,5 +1,34 @@
-"""KV-cache compression for rollouts and shadow-mask replay for the learner."""
+"""KV-cache compression for rollouts and shadow-mask replay for the learner.
 
-from lit_smd.kv.attention import ATTN_IMPLEMENTATION
+Plain PyTorch + transformers (no Lightning): usable from any training loop. Importing this package registers
+the ``"lit_smd"`` attention implementation with transformers.
+"""
 
-__all__ = ["ATTN_IMPLEMENTATION"]
+from lit_smd.kv.attention import ATTN_IMPLEMENTATION, ensure_attention
+from lit_smd.kv.cache import BudgetedCache
+from lit_smd.kv.compressors import (
+    COMPRESSORS,
+    H2O,
+    Compressor,
+    PrefillThenDecode,
+    RandomEviction,
+    RecentWindow,
+    SnapKV,
+)
+from lit_smd.kv.shadow import NEVER, AttentionPlan, ShadowMask
+
+__all__ = [
+    "ATTN_IMPLEMENTATION",
+    "COMPRESSORS",
+    "H2O",
+    "NEVER",
+    "AttentionPlan",
+    "BudgetedCache",
+    "Compressor",
+    "PrefillThenDecode",
+    "RandomEviction",
+    "RecentWindow",
+    "ShadowMask",
+    "SnapKV",
+    "ensure_attention",
+]

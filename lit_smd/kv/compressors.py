@@ -1,0 +1,373 @@
+"""KV-cache compressors: which keys a rollout keeps when its cache is over budget.
+
+One small validated dataclass per method, in the style of kvpress "presses". A compressor never touches
+tensors it does not own: the budgeted cache (`lit_smd.kv.cache`) asks it for *keep scores* and does the
+bookkeeping (slots, eviction steps, budgets) itself. Higher score = keep; ``+inf`` = protected.
+
+* `SnapKV` (Li et al. 2024, arXiv 2404.14469): prefill only. Scores each prompt key by the attention it
+  receives from the last ``window`` prompt queries, smoothed along the key axis with 1-D pooling, averaged
+  over the query heads of each GQA group; selection is per KV head; the window itself is always kept.
+* `H2O` (Zhang et al. 2023, arXiv 2306.14048): heavy hitters + a recent window. Each cached key carries the
+  attention mass it has accumulated (summed over the query heads of its GQA group), per sequence and per KV
+  head; during decoding the lowest-scoring key outside the recent window is evicted.
+* `RecentWindow` (StreamingLLM, Xiao et al. 2023, arXiv 2309.17453): attention sinks plus the most recent keys.
+* `RandomEviction`: sinks + recent window + uniformly random keys (seeded): the control policy.
+* `PrefillThenDecode`: a prefill policy followed by a decode policy (e.g. SnapKV then H2O), so that both the
+  prompt and the generation stay within budget.
+
+Departures from the papers, all deliberate:
+
+* Original RoPE positions are kept after eviction (StreamingLLM re-rotates keys to cache indices; a single
+  masked learner pass cannot replay that, see `reference/kv_and_hf_api.md` P1).
+* Eviction is per sequence and per KV head (H2O's reference code shares it across the batch; SnapKV's keeps
+  one cache per *query* head, which loses the GQA memory saving).
+* H2O scores are raw accumulated sums by default, as in the paper. Raw sums favour old keys (key ``j`` has
+  been seen by more queries); ``normalize=True`` divides by the number of queries that saw each key, like
+  kvpress' ObservedAttentionPress.
+* Decode-time policies evict *after* the current query has attended: a decode query sees at most
+  ``budget + 1`` keys (itself included) and a key dropped at the end of step ``s`` can no longer be seen
+  from position ``s + 1`` on.
+
+Budgets. ``budget`` is either an absolute token count (``int``) or a fraction of the context (``float`` in
+(0, 1]). A fraction ``f`` means, for each sequence, ``floor(f * (prompt_length + max_new_tokens))`` keys per
+layer and KV head: the share of the keys that a dense cache would hold at the end of the rollout. Pads are
+not counted. A resolved budget below the policy's minimum (its protected keys) is an error, raised before
+any model work.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, ClassVar, Literal
+
+import torch
+import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from lit_smd.kv.cache import DecodeState, PrefillContext
+
+__all__ = [
+    "COMPRESSORS",
+    "H2O",
+    "Compressor",
+    "PrefillThenDecode",
+    "RandomEviction",
+    "RecentWindow",
+    "SnapKV",
+    "resolve_budget",
+]
+
+INF = float("inf")
+
+
+def _check_budget(budget: int | float, minimum: int, owner: str) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
+        raise ValueError(f"{owner}.budget must be an int token count or a float fraction, got {budget!r}")
+    if isinstance(budget, float):
+        if not 0.0 < budget <= 1.0 or math.isnan(budget):
+            raise ValueError(f"{owner}.budget as a fraction must be in (0, 1], got {budget}")
+    elif budget < minimum:
+        raise ValueError(
+            f"{owner}.budget={budget} is smaller than the keys the policy always keeps; "
+            f"it must be >= {minimum} (window + sinks)"
+        )
+
+
+def _check_nonnegative(owner: str, **fields: int) -> None:
+    for name, value in fields.items():
+        if isinstance(value, bool) or not isinstance(value, int) or value < 0:
+            raise ValueError(f"{owner}.{name} must be an integer >= 0, got {value!r}")
+
+
+def resolve_budget(
+    budget: int | float, prompt_lengths: torch.Tensor, max_new_tokens: int, minimum: int, owner: str = "compressor"
+) -> torch.Tensor:
+    """Per-sequence budget in keys per layer and KV head.
+
+    Args:
+        budget: Absolute token count, or a fraction of each sequence's full context
+            (``prompt_length + max_new_tokens``), rounded down.
+        prompt_lengths: Real (unpadded) prompt lengths, shape ``[B]``.
+        max_new_tokens: Generation length of the rollout.
+        minimum: Smallest valid budget for the policy.
+        owner: Name used in error messages.
+
+    Returns:
+        Long tensor ``[B]``.
+
+    Raises:
+        ValueError: A fractional budget resolves below ``minimum`` for some sequence.
+    """
+    if isinstance(budget, float):
+        resolved = torch.floor(budget * (prompt_lengths.double() + max_new_tokens)).long()
+        if bool((resolved < minimum).any()):
+            shortest = int(prompt_lengths.min())
+            raise ValueError(
+                f"{owner}.budget={budget} resolves to {int(resolved.min())} keys for a prompt of {shortest} tokens "
+                f"with max_new_tokens={max_new_tokens}, below the minimum of {minimum} (window + sinks); "
+                "use a larger fraction or an absolute budget"
+            )
+        return resolved
+    return torch.full_like(prompt_lengths, int(budget))
+
+
+def _protect(scores: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor, sinks: int, window: int):
+    """Set the scores of attention sinks and of the ``window`` most recent keys to +inf.
+
+    Args:
+        scores: ``[B, H, S]`` keep scores.
+        positions: ``[B, H, S]`` logical positions of the keys (negative = no key).
+        newest: ``[B]`` logical position of the newest key.
+        sinks: Number of leading positions that are always kept.
+        window: Number of most recent positions that are always kept.
+    """
+    protected = (positions >= 0) & (positions < sinks)  # [B, H, S]
+    protected |= positions > (newest[:, None, None] - window)
+    return scores.masked_fill(protected, INF)
+
+
+@dataclass
+class SnapKV:
+    """SnapKV prefill compression (arXiv 2404.14469).
+
+    Args:
+        budget: Keys kept per layer and KV head (int), or a fraction of the context (float in (0, 1]).
+        window: Observation window: the last ``window`` prompt queries vote, and are always kept.
+        kernel: Size of the 1-D pooling kernel along the key axis (odd).
+        pooling: ``"avg"`` (the paper's default) or ``"max"``.
+        sinks: Leading prompt tokens always kept (0 in the paper; 4 protects attention sinks on real models).
+    """
+
+    budget: int | float
+    window: int = 32
+    kernel: int = 5
+    pooling: Literal["avg", "max"] = "avg"
+    sinks: int = 0
+
+    evicts_during_decode: ClassVar[bool] = False
+    accumulates_attention: ClassVar[bool] = False
+    seed: ClassVar[int] = 0
+
+    def __post_init__(self) -> None:
+        _check_nonnegative("SnapKV", window=self.window, sinks=self.sinks)
+        if self.window < 1:
+            raise ValueError(f"SnapKV.window must be >= 1, got {self.window}")
+        if isinstance(self.kernel, bool) or not isinstance(self.kernel, int) or self.kernel < 1 or self.kernel % 2 == 0:
+            raise ValueError(f"SnapKV.kernel must be an odd integer >= 1, got {self.kernel!r}")
+        if self.pooling not in ("avg", "max"):
+            raise ValueError(f"SnapKV.pooling must be 'avg' or 'max', got {self.pooling!r}")
+        _check_budget(self.budget, self.min_budget, "SnapKV")
+
+    @property
+    def min_budget(self) -> int:
+        return self.window + self.sinks
+
+    @property
+    def min_prompt_length(self) -> int:
+        """SnapKV needs a full observation window inside every prompt."""
+        return self.window
+
+    def prefill_scores(self, ctx: PrefillContext) -> torch.Tensor:
+        """Keep scores ``[B, Hkv, P]`` for the prompt columns; the observation window gets +inf."""
+        probs = ctx.window_attention(self.window)  # [B, Hkv, G, W, P]
+        batch, kv_heads, group, _, width = probs.shape
+        prefix = width - self.window  # the window votes on the keys before it only
+        votes = probs[..., :prefix].mean(dim=3).reshape(batch * kv_heads * group, 1, prefix)  # [B*Hkv*G, 1, P-W]
+        pool = F.avg_pool1d if self.pooling == "avg" else F.max_pool1d
+        votes = pool(votes, kernel_size=self.kernel, stride=1, padding=self.kernel // 2)
+        scores = votes.reshape(batch, kv_heads, group, prefix).mean(dim=2)  # [B, Hkv, P-W]
+        scores = F.pad(scores, (0, self.window), value=INF)  # [B, Hkv, P]: the window is always kept
+        positions = ctx.positions[:, None, :].expand(-1, kv_heads, -1)  # [B, Hkv, P]
+        return _protect(scores, positions, ctx.newest, self.sinks, 0)
+
+
+@dataclass
+class H2O:
+    """Heavy-hitter oracle (arXiv 2306.14048): accumulated attention + a recent window.
+
+    Args:
+        budget: Keys kept per layer and KV head (int), or a fraction of the context (float in (0, 1]); the
+            heavy hitters are ``budget - window`` of them.
+        window: Most recent keys always kept (the current one included).
+        sinks: Leading tokens always kept (0 in the paper).
+        normalize: Divide each key's accumulated attention by the number of queries that saw it (kvpress'
+            ObservedAttention) instead of the paper's raw sums, which favour old keys.
+    """
+
+    budget: int | float
+    window: int = 32
+    sinks: int = 0
+    normalize: bool = False
+
+    evicts_during_decode: ClassVar[bool] = True
+    accumulates_attention: ClassVar[bool] = True
+    seed: ClassVar[int] = 0
+
+    def __post_init__(self) -> None:
+        _check_nonnegative("H2O", window=self.window, sinks=self.sinks)
+        _check_budget(self.budget, self.min_budget, "H2O")
+
+    @property
+    def min_budget(self) -> int:
+        return max(self.window + self.sinks, 1)
+
+    min_prompt_length: ClassVar[int] = 1
+
+    def _heavy(self, accumulated: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
+        if not self.normalize:
+            return accumulated
+        seen_by = (newest[:, None, None] - positions + 1).clamp(min=1)  # queries that saw each key
+        return accumulated / seen_by
+
+    def prefill_scores(self, ctx: PrefillContext) -> torch.Tensor:
+        accumulated = ctx.attention_column_sums()  # [B, Hkv, P]
+        positions = ctx.positions[:, None, :].expand_as(accumulated)
+        scores = self._heavy(accumulated, positions, ctx.newest)
+        return _protect(scores, positions, ctx.newest, self.sinks, self.window)
+
+    def decode_scores(self, state: DecodeState) -> torch.Tensor:
+        scores = self._heavy(state.accumulated, state.positions, state.newest)
+        return _protect(scores, state.positions, state.newest, self.sinks, self.window)
+
+
+@dataclass
+class RecentWindow:
+    """StreamingLLM: attention sinks plus the most recent keys, at their original positions.
+
+    Args:
+        budget: Keys kept per layer and KV head (int), or a fraction of the context (float in (0, 1]).
+        sinks: Leading tokens always kept (4 in the paper).
+    """
+
+    budget: int | float
+    sinks: int = 4
+
+    evicts_during_decode: ClassVar[bool] = True
+    accumulates_attention: ClassVar[bool] = False
+    min_prompt_length: ClassVar[int] = 1
+    seed: ClassVar[int] = 0
+
+    def __post_init__(self) -> None:
+        _check_nonnegative("RecentWindow", sinks=self.sinks)
+        _check_budget(self.budget, self.min_budget, "RecentWindow")
+
+    @property
+    def min_budget(self) -> int:
+        return self.sinks + 1
+
+    def _scores(self, positions: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
+        return _protect(positions.to(torch.float32), positions, newest, self.sinks, 1)
+
+    def prefill_scores(self, ctx: PrefillContext) -> torch.Tensor:
+        positions = ctx.positions[:, None, :].expand(-1, ctx.num_kv_heads, -1)
+        return self._scores(positions, ctx.newest)
+
+    def decode_scores(self, state: DecodeState) -> torch.Tensor:
+        return self._scores(state.positions, state.newest)
+
+
+@dataclass
+class RandomEviction:
+    """Control policy: sinks + recent window + uniformly random keys.
+
+    Args:
+        budget: Keys kept per layer and KV head (int), or a fraction of the context (float in (0, 1]).
+        window: Most recent keys always kept (the current one included).
+        sinks: Leading tokens always kept.
+        seed: Seed of the eviction generator (independent of the sampling generator).
+    """
+
+    budget: int | float
+    window: int = 32
+    sinks: int = 4
+    seed: int = 0
+
+    evicts_during_decode: ClassVar[bool] = True
+    accumulates_attention: ClassVar[bool] = False
+    min_prompt_length: ClassVar[int] = 1
+
+    def __post_init__(self) -> None:
+        _check_nonnegative("RandomEviction", window=self.window, sinks=self.sinks)
+        _check_budget(self.budget, self.min_budget, "RandomEviction")
+
+    @property
+    def min_budget(self) -> int:
+        return max(self.window + self.sinks, 1)
+
+    def _scores(self, positions: torch.Tensor, newest: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+        scores = torch.rand(positions.shape, generator=generator, device=positions.device)
+        return _protect(scores, positions, newest, self.sinks, self.window)
+
+    def prefill_scores(self, ctx: PrefillContext) -> torch.Tensor:
+        positions = ctx.positions[:, None, :].expand(-1, ctx.num_kv_heads, -1)
+        return self._scores(positions, ctx.newest, ctx.generator)
+
+    def decode_scores(self, state: DecodeState) -> torch.Tensor:
+        return self._scores(state.positions, state.newest, state.generator)
+
+
+@dataclass
+class PrefillThenDecode:
+    """A prefill policy followed by a decode policy, sharing one budget.
+
+    Args:
+        prefill: Chooses the prompt keys kept after the dense prefill (e.g. `SnapKV`).
+        decode: Evicts during generation (`H2O`, `RecentWindow` or `RandomEviction`).
+    """
+
+    prefill: Compressor
+    decode: Compressor
+
+    evicts_during_decode: ClassVar[bool] = True
+
+    def __post_init__(self) -> None:
+        if not self.decode.evicts_during_decode:
+            raise ValueError(
+                f"PrefillThenDecode.decode must evict during decoding (H2O, RecentWindow, RandomEviction), "
+                f"got {type(self.decode).__name__}"
+            )
+        if type(self.prefill.budget) is not type(self.decode.budget) or self.prefill.budget != self.decode.budget:
+            raise ValueError(
+                "PrefillThenDecode.prefill.budget and PrefillThenDecode.decode.budget must be equal, got "
+                f"{self.prefill.budget!r} and {self.decode.budget!r}"
+            )
+
+    @property
+    def budget(self) -> int | float:
+        return self.decode.budget
+
+    @property
+    def min_budget(self) -> int:
+        return max(self.prefill.min_budget, self.decode.min_budget)
+
+    @property
+    def min_prompt_length(self) -> int:
+        return max(self.prefill.min_prompt_length, self.decode.min_prompt_length)
+
+    @property
+    def accumulates_attention(self) -> bool:
+        return self.decode.accumulates_attention
+
+    @property
+    def seed(self) -> int:
+        return self.decode.seed if isinstance(self.decode, RandomEviction) else self.prefill.seed
+
+    def prefill_scores(self, ctx: PrefillContext) -> torch.Tensor:
+        return self.prefill.prefill_scores(ctx)
+
+    def decode_scores(self, state: DecodeState) -> torch.Tensor:
+        return self.decode.decode_scores(state)
+
+
+Compressor = SnapKV | H2O | RecentWindow | RandomEviction | PrefillThenDecode
+"""Any compressor accepted by `lit_smd.rollout.generate`."""
+
+COMPRESSORS: dict[str, type] = {
+    "snapkv": SnapKV,
+    "h2o": H2O,
+    "recent": RecentWindow,
+    "random": RandomEviction,
+    "prefill_then_decode": PrefillThenDecode,
+}
+"""Every compressor by short name. Tests are parametrised over this registry."""

@@ -1,0 +1,168 @@
+"""The shadow mask: which keys each rollout token could see, and its replay in a teacher-forced pass.
+
+Contract (other code and tests rely on it):
+
+* ``ShadowMask.evict_steps`` is an integer tensor ``[L, B, H_kv, T]`` in *logical* positions: position 0 is
+  each sequence's first real prompt token (pads excluded), prompt then completion.
+* In layer ``l``, KV head ``h`` of sequence ``b``, the query at logical position ``i`` can see the key at
+  logical position ``j`` iff ``j <= i < evict_steps[l, b, h, j]``. Keys that were never evicted hold `NEVER`,
+  larger than any position. A sliding-window layer additionally requires ``i - j < window``, as the model
+  defines it.
+* Query head ``q`` reads KV head ``q // G`` with ``G = H_q / H_kv`` (transformers' ``repeat_kv`` order).
+
+Because positions are logical, the learner may use any padding layout. The learner never re-runs the
+eviction policy (its decisions depend on attention numerics); it replays the record. Dense masks are built
+one layer at a time and dropped (``[B, H_q, T, T]`` bools for all layers at once would not fit at long
+context); on CUDA the FlexAttention path builds one sparse ``BlockMask`` per layer instead.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["NEVER", "AttentionPlan", "ShadowMask"]
+
+NEVER = torch.iinfo(torch.int32).max
+"""Eviction step of a key that was never evicted."""
+
+
+@dataclass
+class ShadowMask:
+    """Eviction steps recorded by a compressed rollout (see the module docstring for the contract).
+
+    Attributes:
+        evict_steps: ``[L, B, H_kv, T]`` int32, logical positions.
+    """
+
+    evict_steps: torch.Tensor
+
+    def __post_init__(self) -> None:
+        if self.evict_steps.ndim != 4 or self.evict_steps.is_floating_point():
+            raise ValueError(
+                f"ShadowMask.evict_steps must be an integer tensor [L, B, H_kv, T], got "
+                f"{self.evict_steps.dtype} {tuple(self.evict_steps.shape)}"
+            )
+
+    @property
+    def num_layers(self) -> int:
+        return self.evict_steps.shape[0]
+
+    @property
+    def length(self) -> int:
+        return self.evict_steps.shape[-1]
+
+    @property
+    def nbytes(self) -> int:
+        """Size of the record in bytes."""
+        return self.evict_steps.nbytes
+
+    def to(self, device: torch.device | str) -> ShadowMask:
+        return ShadowMask(self.evict_steps.to(device))
+
+    def select(self, index: torch.Tensor | slice | Sequence[int]) -> ShadowMask:
+        """Rows ``index`` of the batch."""
+        if not isinstance(index, slice):
+            index = torch.as_tensor(index, device=self.evict_steps.device)
+        return ShadowMask(self.evict_steps[:, index])
+
+    def padded_to(self, length: int) -> ShadowMask:
+        """The same record over ``length >= T`` logical positions (the extra keys are never evicted)."""
+        return ShadowMask(F.pad(self.evict_steps, (0, length - self.length), value=NEVER))
+
+    @staticmethod
+    def cat(masks: Sequence[ShadowMask]) -> ShadowMask:
+        """Concatenate along the batch, padding the position axis with `NEVER`."""
+        length = max(mask.length for mask in masks)
+        return ShadowMask(torch.cat([mask.padded_to(length).evict_steps for mask in masks], dim=1))
+
+    def visible_fraction(self, prompt_lengths: torch.Tensor, completion_mask: torch.Tensor) -> torch.Tensor:
+        """Mean share of the causally available keys that the generated tokens could see.
+
+        Each completion token ``t`` of row ``b`` was sampled by the query at logical position
+        ``i = prompt_lengths[b] + t - 1``, which causally has ``i + 1`` keys; it could see those with
+        ``evict_steps > i``. The share is averaged over layers, KV heads and all real completion tokens.
+
+        Args:
+            prompt_lengths: ``[B]`` real prompt lengths.
+            completion_mask: ``[B, N]`` True on real completion tokens.
+
+        Returns:
+            0-d float tensor in [0, 1] (1.0 when nothing was evicted, NaN-free for empty completions: 1.0).
+        """
+        steps = self.evict_steps.long().clamp(max=self.length)  # [L, B, H, T]; never evicted -> T
+        evicted_by = torch.zeros(*steps.shape[:-1], self.length + 1, device=steps.device)
+        evicted_by.scatter_add_(-1, steps, torch.ones_like(steps, dtype=evicted_by.dtype))
+        evicted_by = evicted_by.cumsum(dim=-1)  # [..., i] = keys with evict_step <= i (all have j < i)
+        num_new = completion_mask.shape[1]
+        queries = prompt_lengths[:, None] + torch.arange(num_new, device=steps.device)[None, :] - 1  # [B, N]
+        queries = queries.clamp(max=self.length - 1)
+        index = queries[None, :, None, :].expand(steps.shape[0], -1, steps.shape[2], -1)
+        hidden = evicted_by.gather(-1, index)  # [L, B, H, N]
+        share = 1.0 - hidden / (queries + 1)[None, :, None, :]
+        weights = completion_mask[None, :, None, :].to(share.dtype).expand_as(share)
+        if weights.sum() == 0:
+            return torch.tensor(1.0)
+        return (share * weights).sum() / weights.sum()
+
+
+@dataclass
+class AttentionPlan:
+    """How the registered attention function masks one teacher-forced forward pass.
+
+    Built by `lit_smd.rollout.score` for a right-padded batch whose column index is the logical position.
+
+    Attributes:
+        lengths: ``[B]`` real tokens per row (prompt + completion); later columns are padding.
+        shadow: The rollout's eviction record, or None for the dense (causal + padding) view.
+        backend: ``"sdpa"`` (boolean mask, any device), ``"flex"`` (FlexAttention BlockMask, CUDA) or
+            ``"auto"`` (flex on CUDA, sdpa elsewhere).
+    """
+
+    lengths: torch.Tensor
+    shadow: ShadowMask | None = None
+    backend: Literal["auto", "sdpa", "flex"] = "auto"
+    _block_masks: dict[int, object] = field(default_factory=dict, repr=False)
+
+    def use_flex(self, device: torch.device) -> bool:
+        return self.backend == "flex" or (self.backend == "auto" and device.type == "cuda")
+
+    def visible(self, layer_idx: int, width: int, sliding_window: int | None) -> torch.Tensor:
+        """Boolean visibility ``[B, H_kv or 1, T, T]`` for one layer (query rows, key columns)."""
+        device = self.lengths.device
+        positions = torch.arange(width, device=device)
+        query, key = positions[:, None], positions[None, :]
+        visible = (key <= query) & (key < self.lengths[:, None, None])  # [B, T, T]
+        if sliding_window is not None:
+            visible &= (query - key) < sliding_window
+        visible = visible[:, None]  # [B, 1, T, T]
+        if self.shadow is not None:
+            steps = self.shadow.evict_steps[layer_idx, :, :, :width]  # [B, Hkv, T]
+            visible = visible & (query < steps[:, :, None, :])  # [B, Hkv, T, T]
+        return visible | torch.eye(width, dtype=torch.bool, device=device)  # pad rows see themselves: no NaN
+
+    def block_mask(self, layer_idx: int, num_heads: int, width: int, sliding_window: int | None):
+        """FlexAttention BlockMask for one layer, built once per plan and layer."""
+        if layer_idx not in self._block_masks:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            lengths = self.lengths
+            steps = None if self.shadow is None else self.shadow.evict_steps[layer_idx]  # [B, Hkv, T]
+            group = 1 if steps is None else num_heads // steps.shape[1]
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                visible = (kv_idx <= q_idx) & (kv_idx < lengths[b])
+                if sliding_window is not None:
+                    visible &= (q_idx - kv_idx) < sliding_window
+                if steps is not None:
+                    visible &= q_idx < steps[b, h // group, kv_idx]
+                return visible | (q_idx == kv_idx)
+
+            self._block_masks[layer_idx] = create_block_mask(
+                mask_mod, B=lengths.shape[0], H=num_heads, Q_LEN=width, KV_LEN=width, device=lengths.device
+            )
+        return self._block_masks[layer_idx]

@@ -1,0 +1,415 @@
+"""Load policies, teachers and tokenizers; build tiny offline models for tests and the CPU quickstart.
+
+Real runs load Qwen3-class models from a Hugging Face hub id or a local `save_pretrained` directory with
+`load_causal_lm` and `load_tokenizer`. Both go through the `Auto*` classes, so any decoder whose modeling code
+routes attention through transformers' `AttentionInterface` works. The model is loaded with lit_smd's registered
+attention implementation (`lit_smd.kv.ATTN_IMPLEMENTATION`) by default: the same weights then serve the
+compressed-cache rollout, the shadow-masked learner and the dense teacher, switched by what each call carries.
+
+Tests and the CPU quickstart cannot reach the hub, so this module also builds everything locally:
+
+- `build_tiny_tokenizer`: a character-level tokenizer over printable ASCII (about 100 tokens) with pad/bos/eos
+  and ChatML-style `<|im_start|>` / `<|im_end|>` tokens plus a chat template;
+- `tiny_config` / `build_tiny_model`: seeded 2-layer Llama, Qwen3 or Mistral decoders (hidden 64, GQA with 4 query
+  and 2 key/value heads) built from a config, no download;
+- `save_tiny_checkpoint`: writes a tiny model and its tokenizer to a directory, so the hub-loading path above is
+  exercised on a local directory (`load_causal_lm(directory)`, `load_tokenizer(directory)`).
+
+Quantization (bitsandbytes 8-bit / 4-bit) is for frozen teachers and reference models on CUDA only.
+"""
+
+import os
+import string
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Literal, get_args
+
+import torch
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    BitsAndBytesConfig,
+    LlamaConfig,
+    MistralConfig,
+    PretrainedConfig,
+    PreTrainedModel,
+    PreTrainedTokenizerBase,
+    PreTrainedTokenizerFast,
+    Qwen3Config,
+)
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
+
+from lit_smd.kv import ATTN_IMPLEMENTATION
+
+ModelFamily = Literal["llama", "qwen3", "mistral"]
+"""Decoder families `tiny_config` can build."""
+
+TINY_FAMILIES: tuple[ModelFamily, ...] = get_args(ModelFamily)
+"""All tiny families, e.g. for `pytest.mark.parametrize`."""
+
+Quantization = Literal["8bit", "4bit"]
+"""bitsandbytes weight formats accepted by `load_causal_lm`."""
+
+DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float64": torch.float64,
+    "bfloat16": torch.bfloat16,
+    "float16": torch.float16,
+}
+"""Dtype names accepted by `load_causal_lm` (besides "auto", the checkpoint's own dtype)."""
+
+_CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
+    "llama": LlamaConfig,
+    "qwen3": Qwen3Config,
+    "mistral": MistralConfig,
+}
+
+# Attention implementations transformers dispatches itself (and checks against the model's `_supports_*` flags).
+# Any other name (one registered with `AttentionInterface`, such as lit_smd's, or a hub kernel) is only reached by
+# modeling code that looks attention up in the interface, i.e. classes with `_supports_attention_backend = True`.
+_NATIVE_ATTENTION = frozenset(
+    {"eager", "paged|eager", "sdpa", "flex_attention", "flash_attention_2", "flash_attention_3", "flash_attention_4"}
+)
+
+PAD_TOKEN = "<pad>"
+BOS_TOKEN = "<bos>"
+EOS_TOKEN = "<eos>"
+UNK_TOKEN = "<unk>"
+IM_START_TOKEN = "<|im_start|>"
+IM_END_TOKEN = "<|im_end|>"
+_TINY_SPECIAL_TOKENS = (PAD_TOKEN, BOS_TOKEN, EOS_TOKEN, UNK_TOKEN, IM_START_TOKEN, IM_END_TOKEN)
+_TINY_CHARACTERS = string.ascii_letters + string.digits + string.punctuation + " \t\n"
+
+TINY_CHAT_TEMPLATE = (
+    "{% for message in messages %}"
+    "{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}"
+    "{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}"
+)
+"""ChatML (the Qwen format): each turn is `<|im_start|>{role}\\n{content}<|im_end|>\\n`."""
+
+
+def load_tokenizer(
+    name_or_path: str,
+    *,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+) -> PreTrainedTokenizerBase:
+    """Load a tokenizer from a hub id or a local directory, ready for left-padded rollouts.
+
+    Rollout batches are left-padded, so `padding_side` is set to "left". Many base-model tokenizers ship without a
+    pad token; they fall back to the eos token. Padding must then be read from the attention mask, never from
+    `input_ids == pad_token_id`, since genuine eos tokens share the id.
+
+    Args:
+        name_or_path: Hub model id (e.g. "Qwen/Qwen3-0.6B") or a directory written by `save_pretrained`.
+        revision: Branch, tag or commit of the hub repository; None for the default branch.
+        trust_remote_code: Allow tokenizer code shipped with the repository to run.
+
+    Returns:
+        The tokenizer, with a pad token and `padding_side == "left"`.
+
+    Raises:
+        ValueError: If the tokenizer has neither a pad nor an eos token.
+    """
+    tokenizer = AutoTokenizer.from_pretrained(
+        name_or_path, revision=revision, trust_remote_code=trust_remote_code, padding_side="left"
+    )
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(f"Tokenizer {name_or_path!r} has neither a pad token nor an eos token to pad with.")
+        tokenizer.pad_token = tokenizer.eos_token
+    tokenizer.padding_side = "left"
+    return tokenizer
+
+
+def load_causal_lm(
+    name_or_path: str,
+    *,
+    dtype: str | torch.dtype = "auto",
+    attn_implementation: str = ATTN_IMPLEMENTATION,
+    revision: str | None = None,
+    trust_remote_code: bool = False,
+    quantization: Quantization | None = None,
+    device_map: str | dict[str, int | str | torch.device] | None = None,
+) -> PreTrainedModel:
+    """Load a causal LM from a hub id or a local directory with `AutoModelForCausalLM.from_pretrained`.
+
+    Every argument is validated before any weights are read, so a bad config fails fast.
+
+    Args:
+        name_or_path: Hub model id (e.g. "Qwen/Qwen3-0.6B") or a directory written by `save_pretrained`.
+        dtype: Parameter dtype: "auto" (the checkpoint's own), one of "float32", "float64", "bfloat16", "float16",
+            or the matching `torch.dtype`.
+        attn_implementation: Attention implementation. The default is lit_smd's (rollout cache, shadow mask or
+            dense, chosen per call); it needs a model class that uses transformers' attention interface. "sdpa" or
+            "eager" suit a dense-only teacher.
+        revision: Branch, tag or commit of the hub repository; None for the default branch.
+        trust_remote_code: Allow modeling code shipped with the repository to run.
+        quantization: Load the weights with bitsandbytes in "8bit" or "4bit" (NF4, double quantization, computing
+            in `dtype`, or bfloat16 when `dtype` is "auto"). Meant for frozen teachers and reference models; CUDA
+            only.
+        device_map: Passed to `from_pretrained`. With `quantization` it defaults to the current CUDA device, since
+            bitsandbytes places the weights while loading.
+
+    Returns:
+        The model in eval mode.
+
+    Raises:
+        ValueError: If `dtype` or `quantization` is not a valid value, if `quantization` is set without CUDA, or if
+            the model class does not support the requested attention implementation.
+    """
+    torch_dtype = _resolve_dtype(dtype)
+    quantization_config = _quantization_config(quantization, torch_dtype)
+    if quantization_config is not None and device_map is None:
+        device_map = {"": torch.cuda.current_device()}
+    config = AutoConfig.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
+    model_class = _library_causal_lm_class(config, trust_remote_code)
+    if model_class is not None:
+        _check_attention_backend(model_class, attn_implementation)
+    model = AutoModelForCausalLM.from_pretrained(
+        name_or_path,
+        config=config,
+        dtype=torch_dtype,
+        attn_implementation=attn_implementation,
+        revision=revision,
+        trust_remote_code=trust_remote_code,
+        quantization_config=quantization_config,
+        device_map=device_map,
+    )
+    if model_class is None:  # remote code: the class is only known once loaded
+        _check_attention_backend(type(model), attn_implementation)
+    return model
+
+
+def tiny_config(
+    family: ModelFamily,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    vocab_size: int | None = None,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int = 16,
+    intermediate_size: int = 128,
+    initializer_range: float = 0.02,
+    max_position_embeddings: int = 4096,
+    tie_word_embeddings: bool = False,
+    **overrides: object,
+) -> PretrainedConfig:
+    """Config of a tiny decoder for tests: 2 layers, hidden 64, GQA (4 query heads sharing 2 key/value heads).
+
+    Mistral gets `sliding_window=None` (full attention) unless `overrides` sets one; Qwen3 has no sliding layers by
+    default.
+
+    Args:
+        family: "llama", "qwen3" or "mistral".
+        tokenizer: Supplies `vocab_size` (when not given) and the pad/bos/eos token ids. Without one, the config
+            keeps the family's default ids unless `overrides` sets `pad_token_id`, `bos_token_id`, `eos_token_id`.
+        vocab_size: Embedding rows; at least `len(tokenizer)` when both are given. Required without a tokenizer.
+        hidden_size: Model width.
+        num_layers: Decoder layers.
+        num_heads: Query heads.
+        num_kv_heads: Key/value heads; `num_heads` must be a multiple.
+        head_dim: Width of one head (independent of `hidden_size / num_heads`, as in Qwen3).
+        intermediate_size: MLP width.
+        initializer_range: Std of the normal weight init. Large values (e.g. 0.35) make attention peaky, so that
+            evicting keys changes the logits noticeably.
+        max_position_embeddings: Longest sequence RoPE is configured for.
+        tie_word_embeddings: Share the input embedding with the output head.
+        **overrides: Any other field of the family's config class (e.g. `sliding_window`, `rope_parameters`).
+
+    Returns:
+        The config.
+
+    Raises:
+        ValueError: If `family` is unknown, or `vocab_size` is missing or smaller than the tokenizer.
+    """
+    if family not in _CONFIG_CLASSES:
+        raise ValueError(f"Unknown family {family!r}; expected one of {TINY_FAMILIES}.")
+    if tokenizer is not None:
+        if vocab_size is None:
+            vocab_size = len(tokenizer)
+        elif vocab_size < len(tokenizer):
+            raise ValueError(f"vocab_size={vocab_size} is smaller than the tokenizer's {len(tokenizer)} tokens.")
+        token_ids = {
+            "pad_token_id": tokenizer.pad_token_id,
+            "bos_token_id": tokenizer.bos_token_id,
+            "eos_token_id": tokenizer.eos_token_id,
+        }
+    elif vocab_size is None:
+        raise ValueError("tiny_config needs `vocab_size` or a `tokenizer` to take it from.")
+    else:
+        token_ids = {}
+    family_defaults = {"sliding_window": None} if family == "mistral" else {}
+    return _CONFIG_CLASSES[family](
+        vocab_size=vocab_size,
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        head_dim=head_dim,
+        intermediate_size=intermediate_size,
+        initializer_range=initializer_range,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        **{**family_defaults, **token_ids, **overrides},
+    )
+
+
+def build_tiny_model(
+    family: ModelFamily,
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    vocab_size: int | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    attn_implementation: str = ATTN_IMPLEMENTATION,
+    **config_overrides: object,
+) -> PreTrainedModel:
+    """Build a randomly initialised tiny decoder from `tiny_config`, with no download.
+
+    The weights depend only on `seed` and the config: they are drawn in float32 under a forked RNG (the global RNG
+    is left untouched) and then cast, so the float64 model of a seed holds exactly the float32 model's weights.
+
+    Args:
+        family: "llama", "qwen3" or "mistral".
+        tokenizer: Supplies the vocabulary size and pad/bos/eos ids (see `tiny_config`).
+        vocab_size: Embedding rows (see `tiny_config`).
+        seed: Seed of the weight init.
+        dtype: Parameter dtype.
+        attn_implementation: Attention implementation; lit_smd's by default.
+        **config_overrides: Keyword arguments of `tiny_config` (e.g. `initializer_range=0.35`) or config fields.
+
+    Returns:
+        The model in eval mode, like `from_pretrained` returns it.
+    """
+    config = tiny_config(family, tokenizer=tokenizer, vocab_size=vocab_size, **config_overrides)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+    return model.to(dtype).eval()
+
+
+def build_tiny_tokenizer(extra_tokens: Sequence[str] = ()) -> PreTrainedTokenizerFast:
+    """Build a character-level tokenizer over printable ASCII, locally with the `tokenizers` library.
+
+    Ids 0-5 are `<pad>`, `<bos>`, `<eos>`, `<unk>`, `<|im_start|>`, `<|im_end|>`; then one id per letter, digit,
+    punctuation mark, space, tab and newline (103 tokens); then `extra_tokens`. Encoding adds no bos/eos, so
+    `decode(encode(text)) == text` for any text over those characters; other characters become `<unk>`. The chat
+    template is ChatML (`TINY_CHAT_TEMPLATE`). It saves and loads with `save_pretrained` /
+    `AutoTokenizer.from_pretrained` (or `load_tokenizer`) offline.
+
+    Args:
+        extra_tokens: Additional whole-word tokens (e.g. "<think>"), matched before character splitting and kept
+            by `decode(..., skip_special_tokens=True)`.
+
+    Returns:
+        The tokenizer, with `padding_side == "left"`.
+    """
+    vocab = {token: index for index, token in enumerate((*_TINY_SPECIAL_TOKENS, *_TINY_CHARACTERS))}
+    backend = Tokenizer(models.WordLevel(vocab=vocab, unk_token=UNK_TOKEN))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.add_special_tokens([AddedToken(token, special=True, normalized=False) for token in _TINY_SPECIAL_TOKENS])
+    backend.add_tokens([AddedToken(token, normalized=False) for token in extra_tokens])
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token=PAD_TOKEN,
+        bos_token=BOS_TOKEN,
+        eos_token=EOS_TOKEN,
+        unk_token=UNK_TOKEN,
+        extra_special_tokens=[IM_START_TOKEN, IM_END_TOKEN],
+        chat_template=TINY_CHAT_TEMPLATE,
+        padding_side="left",
+        model_max_length=4096,
+    )
+
+
+def save_tiny_checkpoint(
+    directory: str | os.PathLike[str],
+    family: ModelFamily = "qwen3",
+    *,
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    seed: int = 0,
+    dtype: torch.dtype = torch.float32,
+    **config_overrides: object,
+) -> Path:
+    """Write a tiny model and its tokenizer to `directory`, a stand-in for a hub checkpoint.
+
+    `load_causal_lm(directory)` and `load_tokenizer(directory)` then load them offline, the same way a hub id is
+    loaded.
+
+    Args:
+        directory: Output directory (created if missing).
+        family: "llama", "qwen3" or "mistral".
+        tokenizer: Tokenizer to save alongside; `build_tiny_tokenizer()` when None.
+        seed: Seed of the weight init.
+        dtype: Parameter dtype saved in the checkpoint.
+        **config_overrides: Keyword arguments of `tiny_config` or config fields.
+
+    Returns:
+        The directory.
+    """
+    tokenizer = build_tiny_tokenizer() if tokenizer is None else tokenizer
+    model = build_tiny_model(family, tokenizer=tokenizer, seed=seed, dtype=dtype, **config_overrides)
+    path = Path(directory)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def _resolve_dtype(dtype: str | torch.dtype) -> torch.dtype | Literal["auto"]:
+    if isinstance(dtype, torch.dtype) and dtype in DTYPES.values():
+        return dtype
+    if dtype == "auto" or dtype in DTYPES:
+        return DTYPES.get(dtype, "auto")
+    valid = ", ".join(repr(name) for name in ("auto", *DTYPES))
+    raise ValueError(f"dtype={dtype!r} is not supported; expected one of {valid} or the matching torch.dtype.")
+
+
+def _quantization_config(
+    quantization: Quantization | None, dtype: torch.dtype | Literal["auto"]
+) -> BitsAndBytesConfig | None:
+    if quantization is None:
+        return None
+    if quantization not in get_args(Quantization):
+        raise ValueError(f"quantization={quantization!r} is not supported; expected None, '8bit' or '4bit'.")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"quantization={quantization!r} needs a CUDA device (bitsandbytes) and none is available; "
+            "set quantization=None to load unquantized weights."
+        )
+    if quantization == "8bit":
+        return BitsAndBytesConfig(load_in_8bit=True)
+    return BitsAndBytesConfig(
+        load_in_4bit=True,
+        bnb_4bit_quant_type="nf4",
+        bnb_4bit_use_double_quant=True,
+        bnb_4bit_compute_dtype=torch.bfloat16 if dtype == "auto" else dtype,
+    )
+
+
+def _library_causal_lm_class(config: PretrainedConfig, trust_remote_code: bool) -> type[PreTrainedModel] | None:
+    """The class `AutoModelForCausalLM` will build for `config`, or None if it comes from remote code or is unknown
+    (in which case `from_pretrained` decides, and raises for an unknown one)."""
+    if trust_remote_code and "AutoModelForCausalLM" in (getattr(config, "auto_map", None) or {}):
+        return None
+    try:
+        return MODEL_FOR_CAUSAL_LM_MAPPING[type(config)]
+    except KeyError:
+        return None
+
+
+def _check_attention_backend(model_class: type[PreTrainedModel], attn_implementation: str) -> None:
+    if attn_implementation in _NATIVE_ATTENTION or model_class.is_backend_compatible():
+        return
+    raise ValueError(
+        f"{model_class.__name__} does not support attn_implementation={attn_implementation!r}: its modeling code "
+        "does not dispatch attention through transformers' AttentionInterface (`_supports_attention_backend` is "
+        "False). Use a model that does (Llama, Qwen3, Mistral and most recent decoders), or a built-in "
+        "implementation such as 'sdpa' for a dense-only model."
+    )

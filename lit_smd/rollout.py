@@ -1,0 +1,364 @@
+"""Sampling from any Hugging Face causal LM under a compressed KV cache, and teacher-forced re-scoring.
+
+`generate` owns its prefill/decode loop (``model.generate`` rejects the extra keyword arguments the attention
+function needs): left-padded prompts are prefilled once, the cache is shared by ``num_samples`` completions per
+prompt, and each step samples every row with one generator, so a seeded rollout is reproducible. With a
+compressor it returns the `ShadowMask` of what each token could see.
+
+`score` recomputes the log-probs of the completion tokens in one teacher-forced pass, either replaying the
+shadow mask (the learner's view: identical to the rollout's log-probs up to float reduction order) or densely.
+
+Log-probs, here and everywhere in lit_smd, are of the temperature-scaled *full-vocabulary* distribution.
+top-k / top-p truncation changes what is sampled, not the recorded log-prob, so with truncation the recorded
+values are not the sampler's exact probabilities (the same convention as vLLM's ``processed_logprobs`` off).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, fields, replace
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+from lit_smd.kv.attention import ensure_attention
+from lit_smd.kv.cache import BudgetedCache
+from lit_smd.kv.compressors import Compressor, SnapKV
+from lit_smd.kv.shadow import AttentionPlan, ShadowMask
+
+__all__ = ["Rollout", "generate", "sample_tokens", "score"]
+
+
+@dataclass
+class Rollout:
+    """A batch of sampled completions. Rows of the same prompt are consecutive (``num_samples`` each).
+
+    Attributes:
+        prompt_ids: ``[B, P]`` left-padded prompt tokens.
+        prompt_mask: ``[B, P]`` bool, True on real prompt tokens.
+        completion_ids: ``[B, N]`` sampled tokens; padded after EOS.
+        completion_mask: ``[B, N]`` bool, True on real completion tokens (EOS included).
+        logprobs: ``[B, N]`` float: log-prob of each sampled token under the temperature-scaled
+            full-vocabulary distribution of the rollout policy (0 where the mask is False).
+        finish_reason: ``B`` strings, ``"eos"`` or ``"length"``.
+        shadow_mask: Eviction record of a compressed rollout, None for a dense one.
+    """
+
+    prompt_ids: torch.Tensor
+    prompt_mask: torch.Tensor
+    completion_ids: torch.Tensor
+    completion_mask: torch.Tensor
+    logprobs: torch.Tensor
+    finish_reason: list[str]
+    shadow_mask: ShadowMask | None = None
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    @property
+    def prompt_lengths(self) -> torch.Tensor:
+        return self.prompt_mask.sum(dim=1)
+
+    @property
+    def completion_lengths(self) -> torch.Tensor:
+        return self.completion_mask.sum(dim=1)
+
+    @property
+    def truncated(self) -> torch.Tensor:
+        """``[B]`` bool: the completion hit ``max_new_tokens`` without EOS."""
+        return torch.tensor([reason == "length" for reason in self.finish_reason], device=self.prompt_ids.device)
+
+    def to(self, device: torch.device | str) -> Rollout:
+        tensors = {f.name: getattr(self, f.name).to(device) for f in fields(self) if f.name not in _NOT_TENSORS}
+        shadow = None if self.shadow_mask is None else self.shadow_mask.to(device)
+        return replace(self, **tensors, shadow_mask=shadow)
+
+    def select(self, index: torch.Tensor | slice | Sequence[int]) -> Rollout:
+        """The rows ``index`` (a slice, indices or a bool mask) as a new rollout."""
+        if isinstance(index, slice):
+            rows = list(range(len(self)))[index]
+        else:
+            index = torch.as_tensor(index)
+            rows = index.nonzero().flatten().tolist() if index.dtype == torch.bool else index.flatten().tolist()
+        picked = torch.tensor(rows, dtype=torch.long, device=self.prompt_ids.device)
+        tensors = {f.name: getattr(self, f.name)[picked] for f in fields(self) if f.name not in _NOT_TENSORS}
+        shadow = None if self.shadow_mask is None else self.shadow_mask.select(picked)
+        return replace(self, **tensors, finish_reason=[self.finish_reason[r] for r in rows], shadow_mask=shadow)
+
+    def __getitem__(self, index: torch.Tensor | slice | Sequence[int]) -> Rollout:
+        return self.select(index)
+
+    @staticmethod
+    def cat(rollouts: Sequence[Rollout], pad_token_id: int = 0) -> Rollout:
+        """Concatenate along the batch: prompts are re-padded on the left, completions on the right."""
+        if not rollouts:
+            raise ValueError("Rollout.cat needs at least one rollout")
+        if len({r.shadow_mask is None for r in rollouts}) > 1:
+            raise ValueError("Rollout.cat cannot mix rollouts with and without a shadow mask")
+        width = max(r.prompt_ids.shape[1] for r in rollouts)
+        new = max(r.completion_ids.shape[1] for r in rollouts)
+
+        def left(x: torch.Tensor, value) -> torch.Tensor:
+            return F.pad(x, (width - x.shape[1], 0), value=value)
+
+        def right(x: torch.Tensor, value) -> torch.Tensor:
+            return F.pad(x, (0, new - x.shape[1]), value=value)
+
+        shadows = [r.shadow_mask for r in rollouts]
+        return Rollout(
+            prompt_ids=torch.cat([left(r.prompt_ids, pad_token_id) for r in rollouts]),
+            prompt_mask=torch.cat([left(r.prompt_mask, False) for r in rollouts]),
+            completion_ids=torch.cat([right(r.completion_ids, pad_token_id) for r in rollouts]),
+            completion_mask=torch.cat([right(r.completion_mask, False) for r in rollouts]),
+            logprobs=torch.cat([right(r.logprobs, 0.0) for r in rollouts]),
+            finish_reason=[reason for r in rollouts for reason in r.finish_reason],
+            shadow_mask=None if shadows[0] is None else ShadowMask.cat(shadows),
+        )
+
+    def save(self, path: str | Path) -> None:
+        """Write the rollout to ``path`` (``torch.save`` of plain tensors, loadable with ``weights_only``)."""
+        state = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "shadow_mask"}
+        state["shadow_evict_steps"] = None if self.shadow_mask is None else self.shadow_mask.evict_steps
+        torch.save(state, path)
+
+    @classmethod
+    def load(cls, path: str | Path, map_location: torch.device | str = "cpu") -> Rollout:
+        """Read a rollout written by `save`."""
+        state = torch.load(path, map_location=map_location, weights_only=True)
+        steps = state.pop("shadow_evict_steps")
+        return cls(**state, shadow_mask=None if steps is None else ShadowMask(steps))
+
+
+_NOT_TENSORS = ("finish_reason", "shadow_mask")
+
+
+def sample_tokens(
+    logits: torch.Tensor,
+    *,
+    temperature: float = 1.0,
+    top_k: int = 0,
+    top_p: float = 1.0,
+    generator: torch.Generator | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample one token per row.
+
+    Args:
+        logits: ``[B, V]`` next-token logits.
+        temperature: Softmax temperature (> 0).
+        top_k: Keep the ``top_k`` most likely tokens (0 = all).
+        top_p: Nucleus sampling mass (1.0 = all).
+        generator: Random generator on the logits' device.
+
+    Returns:
+        ``(tokens [B], logprobs [B])``; the log-probs are of the temperature-scaled full distribution.
+    """
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    logprobs = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)  # [B, V]
+    filtered = logprobs
+    if top_k > 0:
+        kth = logprobs.topk(min(top_k, logprobs.shape[-1]), dim=-1).values[:, -1:]  # [B, 1]
+        filtered = filtered.masked_fill(filtered < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_lp, order = filtered.sort(dim=-1, descending=True)
+        mass_before = sorted_lp.exp().cumsum(dim=-1) - sorted_lp.exp()  # [B, V] mass of more likely tokens
+        drop = torch.zeros_like(filtered, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)
+        filtered = filtered.masked_fill(drop, float("-inf"))
+    tokens = torch.multinomial(filtered.exp(), 1, generator=generator)  # [B, 1]
+    return tokens.squeeze(1), logprobs.gather(-1, tokens).squeeze(1)
+
+
+def _check_generate_args(
+    model, input_ids, attention_mask, compressor, max_new_tokens, temperature, top_p, top_k, num_samples
+) -> None:
+    if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
+        raise ValueError(f"input_ids must be a 2-D tensor [batch, prompt_length], got {type(input_ids).__name__}")
+    if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+        raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}): nothing to generate from")
+    if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
+        shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
+        raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0.0 < top_p <= 1.0:
+        raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
+    if num_samples < 1:
+        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    mask = attention_mask.bool()
+    if bool((mask.sum(dim=1) == 0).any()):
+        raise ValueError("attention_mask has a row with no real token: every prompt needs at least one token")
+    if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
+        raise ValueError("prompts must be left-padded: attention_mask rows must look like [0, ..., 0, 1, ..., 1]")
+    if compressor is not None:
+        if not hasattr(compressor, "prefill_scores"):
+            raise ValueError(f"compressor must be one of lit_smd.kv.COMPRESSORS or None, got {compressor!r}")
+        shortest = int(mask.sum(dim=1).min())
+        if shortest < compressor.min_prompt_length:
+            name = "SnapKV" if isinstance(compressor, SnapKV) else type(compressor).__name__
+            raise ValueError(
+                f"a prompt of {shortest} tokens is shorter than the {name} observation window "
+                f"({compressor.min_prompt_length}); lower the window or filter short prompts"
+            )
+    ensure_attention(model)
+
+
+@torch.no_grad()
+def generate(
+    model: torch.nn.Module,
+    input_ids: torch.Tensor,
+    attention_mask: torch.Tensor,
+    *,
+    compressor: Compressor | None = None,
+    max_new_tokens: int,
+    temperature: float = 1.0,
+    top_p: float = 1.0,
+    top_k: int = 0,
+    num_samples: int = 1,
+    eos_token_id: int | Sequence[int] | None = None,
+    pad_token_id: int | None = None,
+    generator: torch.Generator | None = None,
+) -> Rollout:
+    """Sample completions with a (possibly compressed) KV cache.
+
+    The model runs in eval mode under ``no_grad`` (its training flag is restored afterwards) and is switched to
+    the ``lit_smd`` attention implementation if it is not already.
+
+    Args:
+        model: A Hugging Face causal LM whose attention goes through transformers' ``AttentionInterface``.
+        input_ids: ``[B, P]`` left-padded prompts.
+        attention_mask: ``[B, P]``, 1 on real tokens.
+        compressor: KV compressor (`lit_smd.kv.COMPRESSORS`), or None for a dense rollout.
+        max_new_tokens: Decode steps at most.
+        temperature: Sampling temperature; log-probs are of the temperature-scaled distribution.
+        top_p: Nucleus sampling mass.
+        top_k: Top-k sampling (0 = off).
+        num_samples: Completions per prompt; rows ``i * num_samples ... (i + 1) * num_samples - 1`` belong to
+            prompt ``i``. The prefill runs once per prompt.
+        eos_token_id: Token id(s) that end a completion.
+        pad_token_id: Fills completions after EOS (default: the first EOS id, else 0).
+        generator: Random generator on the model's device; seeds the sampling.
+
+    Returns:
+        A `Rollout` with ``B * num_samples`` rows.
+
+    Raises:
+        ValueError: Malformed inputs (checked before any model work).
+        TypeError: The model does not support transformers' attention interface.
+    """
+    _check_generate_args(
+        model, input_ids, attention_mask, compressor, max_new_tokens, temperature, top_p, top_k, num_samples
+    )
+    eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
+    pad_id = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
+    device = input_ids.device
+    prompt_mask = attention_mask.bool()
+    cache = BudgetedCache(model.config.num_hidden_layers, compressor, prompt_mask, max_new_tokens, num_samples)
+    positions = cache.prompt_positions.clamp(min=0)  # [B, P] logical positions for RoPE
+    eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
+
+    was_training = model.training
+    model.eval()
+    try:
+        out = model(
+            input_ids=input_ids, position_ids=positions, cache=cache, budgeted_cache=cache, use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[:, -1].repeat_interleave(num_samples, dim=0)  # [B*S, V]
+        rows = logits.shape[0]
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)
+        tokens, logprobs, masks = [], [], []
+        for step in range(max_new_tokens):
+            token, logprob = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p,
+                                           generator=generator)
+            alive = ~finished
+            tokens.append(torch.where(alive, token, pad_id))
+            logprobs.append(torch.where(alive, logprob, 0.0))
+            masks.append(alive)
+            finished = finished | torch.isin(token, eos)
+            if step == max_new_tokens - 1 or bool(finished.all()):
+                break
+            position = cache.decode_position(cache.prompt_width + step)[:, None]  # [B*S, 1]
+            out = model(
+                input_ids=tokens[-1][:, None], position_ids=position, cache=cache, budgeted_cache=cache,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1]
+    finally:
+        model.train(was_training)
+
+    return Rollout(
+        prompt_ids=input_ids.repeat_interleave(num_samples, dim=0),
+        prompt_mask=prompt_mask.repeat_interleave(num_samples, dim=0),
+        completion_ids=torch.stack(tokens, dim=1),
+        completion_mask=torch.stack(masks, dim=1),
+        logprobs=torch.stack(logprobs, dim=1),
+        finish_reason=["eos" if done else "length" for done in finished.tolist()],
+        shadow_mask=None if compressor is None else cache.shadow_mask(len(tokens)),
+    )
+
+
+def _learner_batch(rollout: Rollout, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Right-padded ``[B, T]`` ids whose column index is the logical position, lengths ``[B]`` and prompt lengths."""
+    prompt_lengths = rollout.prompt_lengths  # [B]
+    width = rollout.prompt_ids.shape[1]
+    new = rollout.completion_ids.shape[1]
+    columns = torch.arange(width + new, device=rollout.prompt_ids.device)[None, :]  # [1, T]
+    # Column c of row b holds logical position c: prompt token c, or completion token c - prompt_length.
+    shift = (width - prompt_lengths)[:, None]  # left pads of each row
+    joined = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)  # [B, P + N], pads in front
+    source = (columns + shift).clamp(max=width + new - 1)
+    ids = joined.gather(1, source)
+    lengths = prompt_lengths + rollout.completion_lengths
+    ids = ids.masked_fill(columns >= lengths[:, None], pad_token_id)
+    return ids, lengths, prompt_lengths
+
+
+def score(
+    model: torch.nn.Module,
+    rollout: Rollout,
+    *,
+    shadow: bool = True,
+    temperature: float = 1.0,
+    backend: Literal["auto", "sdpa", "flex"] = "auto",
+) -> torch.Tensor:
+    """Teacher-forced log-probs of the completion tokens, differentiable.
+
+    Args:
+        model: The causal LM (same weights as the rollout's for the learner view).
+        rollout: Sampled completions.
+        shadow: Replay the rollout's shadow mask (the learner view). With ``False``, or a rollout without a
+            shadow mask, the pass is dense (causal + padding).
+        temperature: The rollout's sampling temperature.
+        backend: Masked attention kernel: ``"sdpa"``, ``"flex"`` (CUDA, FlexAttention) or ``"auto"``.
+
+    Returns:
+        ``[B, N]`` log-probs (0 where ``rollout.completion_mask`` is False). Works under activation
+        checkpointing; the model's training mode is left as it is.
+    """
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    ensure_attention(model)
+    ids, lengths, prompt_lengths = _learner_batch(rollout, pad_token_id=0)
+    width = ids.shape[1]
+    mask = rollout.shadow_mask if shadow else None
+    if mask is not None:
+        mask = mask.padded_to(width) if mask.length < width else mask
+    plan = AttentionPlan(lengths=lengths, shadow=mask, backend=backend)
+    # Only the positions that predict completion tokens need logits: columns [min P - 1, max P + N - 1).
+    first = int(prompt_lengths.min()) - 1
+    new = rollout.completion_ids.shape[1]
+    keep = torch.arange(first, int(prompt_lengths.max()) + new - 1, device=ids.device)
+    positions = torch.arange(width, device=ids.device)[None, :].expand(ids.shape[0], -1)
+    logits = model(input_ids=ids, position_ids=positions, attention_plan=plan, use_cache=False,
+                   logits_to_keep=keep).logits  # [B, K, V]
+    rows = (prompt_lengths - 1 - first)[:, None] + torch.arange(new, device=ids.device)[None, :]  # [B, N]
+    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    picked = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))  # [B, N, V]
+    logprobs = torch.log_softmax(picked.to(dtype) / temperature, dim=-1)
+    token_logprobs = logprobs.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)  # [B, N]
+    return token_logprobs.masked_fill(~rollout.completion_mask, 0.0)

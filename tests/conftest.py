@@ -1,0 +1,75 @@
+"""Shared fixtures: a tiny local tokenizer and tiny Llama / Qwen3 / Mistral models, all built offline.
+
+- `tokenizer`: the character-level tokenizer of `build_tiny_tokenizer` (session-scoped; do not mutate it).
+- `tiny_model_factory(family="qwen3", dtype=torch.float32, **overrides)`: a fresh seeded tiny model over `tokenizer`.
+- `family`: parametrised over every tiny family; a test that takes it runs once per family.
+- `tiny_model`: the default tiny model (Qwen3, float32).
+- `peaky_model_factory` / `peaky_model`: vocab 256 and `initializer_range=0.35`, so attention is peaky and evicting
+  keys moves the logits a lot (KV-eviction exactness tests); float64 by default.
+"""
+
+import os
+
+os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the hub; fail loudly if something tries
+
+from collections.abc import Callable, Iterator
+from functools import partial
+
+import pytest
+import torch
+from transformers import PreTrainedModel, PreTrainedTokenizerFast
+
+from lit_smd.models import TINY_FAMILIES, ModelFamily, build_tiny_model, build_tiny_tokenizer
+
+ModelFactory = Callable[..., PreTrainedModel]
+
+torch.set_num_threads(2)
+
+
+@pytest.fixture(autouse=True)
+def _seed_and_default_dtype() -> Iterator[None]:
+    """Seed the global RNG before each test and restore the default dtype after it."""
+    torch.manual_seed(0)
+    default_dtype = torch.get_default_dtype()
+    yield
+    torch.set_default_dtype(default_dtype)
+
+
+@pytest.fixture(scope="session")
+def tokenizer() -> PreTrainedTokenizerFast:
+    """The tiny character-level tokenizer (left padding, ChatML template)."""
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture
+def tiny_model_factory(tokenizer: PreTrainedTokenizerFast) -> ModelFactory:
+    """Build fresh seeded tiny models: `factory(family="qwen3", dtype=torch.float32, seed=0, **config_overrides)`."""
+
+    def factory(family: ModelFamily = "qwen3", **kwargs: object) -> PreTrainedModel:
+        return build_tiny_model(family, tokenizer=tokenizer, **kwargs)
+
+    return factory
+
+
+@pytest.fixture(params=TINY_FAMILIES)
+def family(request: pytest.FixtureRequest) -> ModelFamily:
+    """Each tiny model family in turn."""
+    return request.param
+
+
+@pytest.fixture
+def tiny_model(tiny_model_factory: ModelFactory) -> PreTrainedModel:
+    """A tiny Qwen3 in float32, vocab of the `tokenizer` fixture."""
+    return tiny_model_factory("qwen3")
+
+
+@pytest.fixture
+def peaky_model_factory(tiny_model_factory: ModelFactory) -> ModelFactory:
+    """Like `tiny_model_factory`, with vocab 256, `initializer_range=0.35` and float64 by default."""
+    return partial(tiny_model_factory, vocab_size=256, initializer_range=0.35, dtype=torch.float64)
+
+
+@pytest.fixture
+def peaky_model(peaky_model_factory: ModelFactory) -> PreTrainedModel:
+    """A peaky tiny Qwen3 in float64 (the configuration of the KV prototype)."""
+    return peaky_model_factory("qwen3")
