@@ -28,7 +28,7 @@ from lit_smd.kv.cache import BudgetedCache
 from lit_smd.kv.compressors import Compressor, SnapKV
 from lit_smd.kv.shadow import AttentionPlan, ShadowMask
 
-__all__ = ["Rollout", "generate", "sample_tokens", "score"]
+__all__ = ["Rollout", "completion_hidden_states", "generate", "sample_tokens", "score"]
 
 
 @dataclass
@@ -318,6 +318,46 @@ def _learner_batch(rollout: Rollout, pad_token_id: int) -> tuple[torch.Tensor, t
     return ids, lengths, prompt_lengths
 
 
+def completion_hidden_states(
+    model: torch.nn.Module,
+    rollout: Rollout,
+    *,
+    shadow: bool = True,
+    backend: Literal["auto", "sdpa", "flex"] = "auto",
+) -> torch.Tensor:
+    """Final hidden states at the positions that predict each completion token, in one teacher-forced pass.
+
+    Row ``b``, index ``t`` is the decoder output at logical position ``prompt_length[b] + t - 1``; applying the
+    model's output embeddings gives the logits of completion token ``t``. Keeping hidden states (``[B, N, H]``)
+    instead of logits (``[B, N, V]``) lets losses project to the vocabulary in chunks.
+
+    Args:
+        model: A Hugging Face causal LM (``get_decoder()`` returns its base model).
+        rollout: Sampled completions.
+        shadow: Replay the rollout's shadow mask (the learner view). With ``False``, or a rollout without a
+            shadow mask, the pass is dense (causal + padding).
+        backend: Masked attention kernel: ``"sdpa"``, ``"flex"`` (CUDA, FlexAttention) or ``"auto"``.
+
+    Returns:
+        ``[B, N, H]`` hidden states (rows past a completion's end are computed but meaningless). Differentiable;
+        works under activation checkpointing; the model's training mode is left as it is.
+    """
+    ensure_attention(model)
+    ids, lengths, prompt_lengths = _learner_batch(rollout, pad_token_id=0)
+    width = ids.shape[1]
+    mask = rollout.shadow_mask if shadow else None
+    if mask is not None and mask.length < width:
+        mask = mask.padded_to(width)
+    plan = AttentionPlan(lengths=lengths, shadow=mask, backend=backend)
+    positions = torch.arange(width, device=ids.device)[None, :].expand(ids.shape[0], -1)
+    hidden = model.get_decoder()(
+        input_ids=ids, position_ids=positions, attention_plan=plan, use_cache=False
+    ).last_hidden_state  # [B, T, H]
+    new = rollout.completion_ids.shape[1]
+    rows = (prompt_lengths - 1)[:, None] + torch.arange(new, device=ids.device)[None, :]  # [B, N]
+    return hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, N, H]
+
+
 def score(
     model: torch.nn.Module,
     rollout: Rollout,
@@ -331,34 +371,19 @@ def score(
     Args:
         model: The causal LM (same weights as the rollout's for the learner view).
         rollout: Sampled completions.
-        shadow: Replay the rollout's shadow mask (the learner view). With ``False``, or a rollout without a
-            shadow mask, the pass is dense (causal + padding).
+        shadow: Replay the rollout's shadow mask (the learner view); ``False`` for the dense view.
         temperature: The rollout's sampling temperature.
         backend: Masked attention kernel: ``"sdpa"``, ``"flex"`` (CUDA, FlexAttention) or ``"auto"``.
 
     Returns:
-        ``[B, N]`` log-probs (0 where ``rollout.completion_mask`` is False). Works under activation
-        checkpointing; the model's training mode is left as it is.
+        ``[B, N]`` log-probs of the temperature-scaled full-vocabulary distribution (0 where
+        ``rollout.completion_mask`` is False).
     """
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
-    ensure_attention(model)
-    ids, lengths, prompt_lengths = _learner_batch(rollout, pad_token_id=0)
-    width = ids.shape[1]
-    mask = rollout.shadow_mask if shadow else None
-    if mask is not None:
-        mask = mask.padded_to(width) if mask.length < width else mask
-    plan = AttentionPlan(lengths=lengths, shadow=mask, backend=backend)
-    # Only the positions that predict completion tokens need logits: columns [min P - 1, max P + N - 1).
-    first = int(prompt_lengths.min()) - 1
-    new = rollout.completion_ids.shape[1]
-    keep = torch.arange(first, int(prompt_lengths.max()) + new - 1, device=ids.device)
-    positions = torch.arange(width, device=ids.device)[None, :].expand(ids.shape[0], -1)
-    logits = model(input_ids=ids, position_ids=positions, attention_plan=plan, use_cache=False,
-                   logits_to_keep=keep).logits  # [B, K, V]
-    rows = (prompt_lengths - 1 - first)[:, None] + torch.arange(new, device=ids.device)[None, :]  # [B, N]
+    hidden = completion_hidden_states(model, rollout, shadow=shadow, backend=backend)  # [B, N, H]
+    logits = model.get_output_embeddings()(hidden)  # [B, N, V]
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
-    picked = logits.gather(1, rows[..., None].expand(-1, -1, logits.shape[-1]))  # [B, N, V]
-    logprobs = torch.log_softmax(picked.to(dtype) / temperature, dim=-1)
+    logprobs = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
     token_logprobs = logprobs.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)  # [B, N]
     return token_logprobs.masked_fill(~rollout.completion_mask, 0.0)
