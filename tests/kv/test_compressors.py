@@ -1,0 +1,99 @@
+"""Compressor dataclasses: validation at construction, budget resolution, and scoring rules."""
+
+import pytest
+import torch
+
+from lit_smd.kv import COMPRESSORS, H2O, PrefillThenDecode, RandomEviction, RecentWindow, SnapKV
+from lit_smd.kv.cache import DecodeState
+from lit_smd.kv.compressors import resolve_budget
+
+from .conftest import make_compressor
+
+
+def test_registry_entries_all_have_test_defaults(compressor_name):
+    compressor = make_compressor(compressor_name)
+    assert isinstance(compressor, COMPRESSORS[compressor_name])
+
+
+@pytest.mark.parametrize("budget", [0.0, -0.5, 1.5, float("nan")])
+def test_fraction_outside_unit_interval_is_rejected(compressor_name, budget):
+    with pytest.raises(ValueError, match=r"budget.*\(0, 1\]"):
+        make_compressor(compressor_name, budget)
+
+
+@pytest.mark.parametrize(
+    ("build", "match"),
+    [
+        (lambda: SnapKV(10, window=8, sinks=4), r"SnapKV.budget=10 .* >= 12"),
+        (lambda: H2O(3, window=4), r"H2O.budget=3 .* >= 4"),
+        (lambda: RandomEviction(5, window=4, sinks=2), r"RandomEviction.budget=5 .* >= 6"),
+        (lambda: RecentWindow(4, sinks=4), r"RecentWindow.budget=4 .* >= 5"),
+        (lambda: SnapKV(64, window=-1), r"SnapKV.window must be an integer >= 0"),
+        (lambda: SnapKV(64, window=0), r"SnapKV.window must be >= 1"),
+        (lambda: SnapKV(64, kernel=4), r"SnapKV.kernel must be an odd integer"),
+        (lambda: SnapKV(64, pooling="median"), r"SnapKV.pooling"),
+        (lambda: H2O(64, sinks=-2), r"H2O.sinks must be an integer >= 0"),
+        (lambda: RecentWindow(True), r"RecentWindow.budget must be an int token count or a float"),
+        (lambda: PrefillThenDecode(SnapKV(32, window=8), H2O(40, window=4)), r"budget must be equal"),
+        (lambda: PrefillThenDecode(SnapKV(32, window=8), SnapKV(32, window=8)), r"must evict during decoding"),
+    ],
+)
+def test_invalid_fields_name_the_field_and_valid_range(build, match):
+    with pytest.raises(ValueError, match=match):
+        build()
+
+
+def test_fraction_budget_is_share_of_full_context_rounded_down():
+    lengths = torch.tensor([64, 51])
+    budgets = resolve_budget(0.5, lengths, max_new_tokens=32, minimum=8)
+    assert budgets.tolist() == [48, 41]  # floor(0.5 * 96), floor(0.5 * 83)
+    assert resolve_budget(24, lengths, 32, minimum=8).tolist() == [24, 24]
+
+
+def test_fraction_resolving_below_minimum_names_budget():
+    with pytest.raises(ValueError, match=r"budget=0.1 resolves to 1 keys .* minimum of 12"):
+        resolve_budget(0.1, torch.tensor([10, 40]), max_new_tokens=5, minimum=12)
+
+
+def _state(positions, accumulated=None, newest=9):
+    positions = torch.tensor([[positions]])
+    if accumulated is None:
+        accumulated = [0.0] * positions.shape[-1]
+    accumulated = torch.tensor([[accumulated]])
+    return DecodeState(positions, accumulated, torch.tensor([newest]), torch.Generator().manual_seed(0))
+
+
+def _victim(compressor, state):
+    scores = compressor.decode_scores(state).masked_fill(state.positions < 0, float("inf"))
+    return int(state.positions[0, 0, scores[0, 0].argmin()])
+
+
+def test_h2o_evicts_lowest_accumulated_outside_recent_window_and_sinks():
+    state = _state([0, 3, 5, 7, 8, 9], [0.1, 2.0, 0.5, 0.05, 0.0, 0.0])
+    assert _victim(H2O(5, window=3, sinks=0), state) == 0
+    assert _victim(H2O(5, window=3, sinks=1), state) == 5  # 0 is a sink; 7, 8, 9 are recent
+
+
+def test_h2o_normalize_divides_by_queries_that_saw_the_key():
+    # raw sums favour the old key 0 (seen by 10 queries); per-query it is the weakest
+    state = _state([0, 5, 8, 9], [1.0, 0.9, 0.3, 0.0])
+    assert _victim(H2O(3, window=1), state) == 8
+    assert _victim(H2O(3, window=1, normalize=True), state) == 0  # 1/10 < 0.9/5 < 0.3/2
+
+
+def test_recent_window_evicts_oldest_non_sink():
+    state = _state([0, 1, 2, 3, 4, 6, 9, -1])
+    assert _victim(RecentWindow(6, sinks=4), state) == 4
+    assert _victim(RecentWindow(6, sinks=0), state) == 0
+
+
+def test_random_eviction_never_picks_protected_keys_and_is_seeded():
+    positions = [0, 1, 2, 3, 4, 5, 6, 7, 8, 9]
+    picks = set()
+    for seed in range(30):
+        state = _state(positions)
+        state.generator.manual_seed(seed)
+        picks.add(_victim(RandomEviction(8, window=3, sinks=2), state))
+    assert picks <= {2, 3, 4, 5, 6} and len(picks) > 2
+    a, b = _state(positions), _state(positions)
+    assert _victim(RandomEviction(8, window=3, sinks=2), a) == _victim(RandomEviction(8, window=3, sinks=2), b)
