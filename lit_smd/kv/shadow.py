@@ -157,9 +157,9 @@ class AttentionPlan:
             def mask_mod(b, h, q_idx, kv_idx):
                 visible = (kv_idx <= q_idx) & (kv_idx < lengths[b])
                 if sliding_window is not None:
-                    visible &= (q_idx - kv_idx) < sliding_window
+                    visible = visible & ((q_idx - kv_idx) < sliding_window)
                 if steps is not None:
-                    visible &= q_idx < steps[b, h // group, kv_idx]
+                    visible = visible & (q_idx < steps[b, h // group, kv_idx])
                 return visible | (q_idx == kv_idx)
 
             self._block_masks[layer_idx] = create_block_mask(

@@ -1,0 +1,26 @@
+"""The FlexAttention learner path (CUDA's default) agrees with the SDPA path.
+
+FlexAttention has no backward on CPU and compiles slowly there (~1 min on 2 cores), so this forward-only
+check is marked slow; `benchmarks/gpu_check.sh` runs forward and backward on a GPU.
+"""
+
+import pytest
+import torch
+
+from lit_smd.rollout import generate, score
+
+from .conftest import make_compressor
+from .test_shadow_replay import _prompts
+
+
+@pytest.mark.slow
+def test_flex_forward_replays_shadow_mask_on_cpu(peaky_model_factory):
+    model = peaky_model_factory("qwen3", dtype=torch.float32)
+    ids, mask = _prompts(256)
+    rollout = generate(model, ids, mask, compressor=make_compressor("h2o"), max_new_tokens=16,
+                       generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        flex = score(model, rollout, backend="flex")
+        sdpa = score(model, rollout, backend="sdpa")
+    assert (flex - rollout.logprobs).abs().max() <= 1e-4
+    assert (flex - sdpa).abs().max() <= 1e-4
