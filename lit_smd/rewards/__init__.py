@@ -1,1 +1,32 @@
+"""Reward functions with TRL's keyword signature, and a weighted combination of them."""
 
+from lit_smd.rewards.combine import RewardFn, RewardOutput, WeightedRewards
+from lit_smd.rewards.math_answer import answers_match, extract_answer, extract_boxed, math_answer_reward
+from lit_smd.rewards.text import (
+    LengthPenalizedRougeL,
+    normalize_qa_answer,
+    qa_exact_match,
+    qa_exact_match_reward,
+    qa_f1,
+    qa_f1_reward,
+    rouge_l_f1,
+    rouge_l_reward,
+)
+
+__all__ = [
+    "LengthPenalizedRougeL",
+    "RewardFn",
+    "RewardOutput",
+    "WeightedRewards",
+    "answers_match",
+    "extract_answer",
+    "extract_boxed",
+    "math_answer_reward",
+    "normalize_qa_answer",
+    "qa_exact_match",
+    "qa_exact_match_reward",
+    "qa_f1",
+    "qa_f1_reward",
+    "rouge_l_f1",
+    "rouge_l_reward",
+]

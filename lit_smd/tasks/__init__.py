@@ -1,1 +1,28 @@
+"""Prompt datasets: adapters for GSM8K, MATH, TL;DR, GovReport and HotpotQA, and offline synthetic tasks."""
 
+from lit_smd.tasks.datasets import (
+    TASKS,
+    competition_math,
+    govreport,
+    gsm8k,
+    hotpotqa,
+    load_rows,
+    load_task,
+    prepare_prompts,
+    tldr,
+)
+from lit_smd.tasks.synthetic import arithmetic, key_value_retrieval
+
+__all__ = [
+    "TASKS",
+    "arithmetic",
+    "competition_math",
+    "govreport",
+    "gsm8k",
+    "hotpotqa",
+    "key_value_retrieval",
+    "load_rows",
+    "load_task",
+    "prepare_prompts",
+    "tldr",
+]
