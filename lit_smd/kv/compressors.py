@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, ClassVar, Literal
+from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
@@ -125,6 +125,25 @@ def _protect(scores: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor
     protected = (positions >= 0) & (positions < sinks)  # [B, H, S]
     protected |= positions > (newest[:, None, None] - window)
     return scores.masked_fill(protected, INF)
+
+
+@runtime_checkable
+class Compressor(Protocol):
+    """What every compressor provides (`SnapKV`, `H2O`, `RecentWindow`, `RandomEviction`, `PrefillThenDecode`).
+
+    A Protocol rather than a union of the dataclasses, so that LightningCLI honours ``class_path`` in configs
+    (and users can bring their own policy). Decode-time policies also implement ``decode_scores(state)``.
+    """
+
+    budget: int | float
+
+    @property
+    def min_budget(self) -> int: ...
+
+    @property
+    def min_prompt_length(self) -> int: ...
+
+    def prefill_scores(self, ctx: PrefillContext) -> torch.Tensor: ...
 
 
 @dataclass
@@ -360,9 +379,6 @@ class PrefillThenDecode:
         return self.decode.decode_scores(state)
 
 
-Compressor = SnapKV | H2O | RecentWindow | RandomEviction | PrefillThenDecode
-"""Any compressor accepted by `lit_smd.rollout.generate`."""
-
 COMPRESSORS: dict[str, type] = {
     "snapkv": SnapKV,
     "h2o": H2O,
@@ -371,3 +387,7 @@ COMPRESSORS: dict[str, type] = {
     "prefill_then_decode": PrefillThenDecode,
 }
 """Every compressor by short name. Tests are parametrised over this registry."""
+
+# Compressors are saved in checkpoint hyperparameters; let `torch.load(weights_only=True)` (Lightning's default)
+# rebuild these plain dataclasses.
+torch.serialization.add_safe_globals(list(COMPRESSORS.values()))

@@ -151,3 +151,7 @@ def sparse_rl_correction(
         weight_max=weight_max,
         normalizer=normalizer,
     )
+
+
+# Saved in checkpoint hyperparameters: let `torch.load(weights_only=True)` (Lightning's default) rebuild it.
+torch.serialization.add_safe_globals([SparseRLConfig])

@@ -1,0 +1,469 @@
+"""On-policy experience for GRPO: prompts -> (compressed-cache) rollouts -> rewards -> `Experience` minibatches.
+
+Per training step the `RolloutDataModule` draws ``prompts_per_step`` prompts, samples ``num_generations`` (G)
+completions per prompt with the learner's *current* policy under the learner's compressor (`lit_smd.rollout.generate`:
+no grad, eval mode), decodes them, scores them with the reward functions (TRL's keyword signature, combined by
+`lit_smd.rewards.WeightedRewards`), and lets the learner turn the scored rollout into an `Experience`
+(`RolloutLearner.make_experience`: advantages, ratio denominators, reference log-probs, metrics). The experience is
+then yielded as minibatches, ``num_iterations`` times over.
+
+The data side reaches the learner only through the small `RolloutLearner` protocol (``policy``, ``compressor``,
+``temperature``, ``make_experience``); `lit_smd.modules.GRPOModule` implements it.
+
+On-policy by construction: the train "dataloader" is an `ExperienceStream`, an iterable with a length, which
+Lightning does not prefetch, so the rollout of step ``k + 1`` is sampled after the optimizer step of step ``k``.
+Generation runs in the training process (no workers): it needs the policy on its device.
+
+Distributed: every rank draws its own prompts (a shared seeded permutation per epoch, split by rank), generates, scores
+and computes advantages for its own groups (a group never spans ranks); all ranks run the same number of steps.
+Generation calls the policy module directly, so it suits DDP (full replicas); FSDP / DeepSpeed ZeRO-3 sharded policies
+would need their parameters gathered first and are not supported yet.
+
+Resuming: the stream is stateful (``state_dict`` / ``load_state_dict``) and samples with one seed per (epoch, rank,
+step), so ``fit(ckpt_path=...)`` continues mid-epoch at the next minibatch (a partly used rollout batch is sampled
+again from the same prompts).
+
+Compared with TRL's ``GRPOTrainer``: ``num_iterations`` is the same; ``minibatch_size`` plays the role of the per-step
+batch of ``steps_per_generation`` (consecutive slices, not shuffled, so the completions of a prompt stay together);
+generation uses lit_smd's own loop (`lit_smd.rollout.generate`, the only one that records shadow masks), not vLLM.
+
+Handled inputs, each with a clear error or a logged count:
+    - prompts longer than ``max_prompt_tokens``, empty prompts, and prompts shorter than the compressor needs (SnapKV's
+      observation window): dropped at setup / dataloader creation, counts logged (``num_filtered``);
+    - a reward function that raises: ``RuntimeError`` naming the function (the original error chained); a NaN / inf
+      reward or a wrong number of values: ``ValueError`` naming the function;
+    - a group whose rewards are all equal: zero advantage (`lit_smd.losses.group_advantages`);
+    - empty completions (EOS first) are decoded to ``""`` and scored like any other; all-truncated batches train
+      normally (with ``mask_truncated_completions`` the learner warns that the batch gives no gradient).
+"""
+
+import logging
+import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from datasets import Dataset
+from lightning.pytorch import LightningDataModule
+from torch import Tensor
+from transformers import PreTrainedTokenizerBase
+
+from lit_smd.models import load_tokenizer
+from lit_smd.rewards.combine import RewardFn, WeightedRewards
+from lit_smd.rollout import Rollout, generate
+from lit_smd.tasks.datasets import TASKS, load_rows, load_task, prepare_prompts
+
+__all__ = ["Experience", "ExperienceStream", "RolloutDataModule", "RolloutLearner"]
+
+logger = logging.getLogger(__name__)
+
+_ROW_TENSORS = ("rewards", "advantages", "loss_mask", "old_logprobs", "token_weights", "ref_logprobs")
+
+
+@dataclass
+class Experience:
+    """A scored rollout batch ready for the learner: one minibatch of one pass.
+
+    Attributes:
+        rollout: ``B`` completions (`lit_smd.rollout.Rollout`), rows of one prompt consecutive.
+        rewards: ``[B]`` total (weighted) rewards.
+        advantages: ``[B]`` group-relative advantages, computed over the whole rollout batch.
+        loss_mask: ``[B, N]`` bool, the tokens that enter the policy loss (completion tokens, minus masked truncated
+            completions, minus Sparse-RL rejections).
+        old_logprobs: ``[B, N]`` the ratio's denominator, fixed at rollout time: the rollout log-probs, or the dense
+            ``pi_old`` log-probs (Sparse-RL).
+        token_weights: ``[B, N]`` per-token importance weights (Sparse-RL) or None.
+        ref_logprobs: ``[B, N]`` reference log-probs under the learner's view, or None without a reference.
+        reward_components: Each reward function's unweighted ``[B]`` values, by name.
+        max_completion_length: The rollout's ``max_new_tokens`` (the ``dr_grpo`` normaliser); None = the width.
+        iteration: Which pass over the rollout batch this minibatch belongs to (0 = first).
+        metrics: Scalars of the whole rollout batch to log with this minibatch (set on the first minibatch only).
+    """
+
+    rollout: Rollout
+    rewards: Tensor
+    advantages: Tensor
+    loss_mask: Tensor
+    old_logprobs: Tensor
+    token_weights: Tensor | None = None
+    ref_logprobs: Tensor | None = None
+    reward_components: dict[str, Tensor] = field(default_factory=dict)
+    max_completion_length: int | None = None
+    iteration: int = 0
+    metrics: dict[str, float] = field(default_factory=dict)
+
+    def __len__(self) -> int:
+        return len(self.rollout)
+
+    def to(self, device: torch.device | str) -> "Experience":
+        """The experience with every tensor on ``device`` (Lightning calls this to move batches)."""
+        moved = {name: _apply(getattr(self, name), lambda t: t.to(device)) for name in _ROW_TENSORS}
+        components = {name: values.to(device) for name, values in self.reward_components.items()}
+        return replace(self, rollout=self.rollout.to(device), reward_components=components, **moved)
+
+    def select(self, index: slice | Tensor | Sequence[int]) -> "Experience":
+        """Rows ``index`` (a slice, indices or a bool mask) as a new experience with the same metadata."""
+        if not isinstance(index, slice):
+            index = torch.as_tensor(index, device=self.rewards.device)
+            if index.dtype == torch.bool:
+                index = index.nonzero().flatten()
+        picked = {name: _apply(getattr(self, name), lambda t: t[index]) for name in _ROW_TENSORS}
+        components = {name: values[index] for name, values in self.reward_components.items()}
+        return replace(self, rollout=self.rollout.select(index), reward_components=components, **picked)
+
+
+def _apply(tensor: Tensor | None, fn: Any) -> Tensor | None:
+    return None if tensor is None else fn(tensor)
+
+
+@runtime_checkable
+class RolloutLearner(Protocol):
+    """What the data side needs from the LightningModule (`lit_smd.modules.GRPOModule` provides it).
+
+    Attributes:
+        policy: The causal LM being trained (sampled from in eval mode, no grad).
+        compressor: The rollout's KV compressor, None for dense rollouts.
+        temperature: Sampling temperature (the learner's log-probs use the same one).
+    """
+
+    policy: Any
+    compressor: Any
+    temperature: float
+
+    def make_experience(
+        self,
+        rollout: Rollout,
+        rewards: Tensor,
+        *,
+        group_size: int,
+        reward_components: dict[str, Tensor] | None = None,
+        max_completion_length: int | None = None,
+    ) -> Experience:
+        """Advantages, ratio denominators, reference log-probs and metrics of a scored rollout batch."""
+        ...
+
+
+class RolloutDataModule(LightningDataModule):
+    """Prompts in, on-policy GRPO `Experience` minibatches out (see the module docstring).
+
+    Args:
+        dataset: The prompt rows: a `datasets.Dataset` with a ``prompt`` column (other columns are passed to the
+            reward functions); the name of a `lit_smd.tasks.TASKS` entry, built with ``dataset_kwargs``; or a hub id /
+            local data file with a ``prompt`` column (`lit_smd.tasks.load_rows`, ``dataset_kwargs`` its arguments).
+        tokenizer: The policy's tokenizer, or a hub id / local directory for `lit_smd.models.load_tokenizer`.
+        reward_funcs: Reward callables ``fn(prompts, completions, **columns) -> list[float]`` (a list, named by
+            ``__name__``, or a name -> function mapping); logged as ``rollout/reward/<name>``.
+        reward_weights: One weight per reward function (default all 1); the reward is the weighted sum.
+        dataset_kwargs: Keyword arguments of the task function (or of ``load_rows``) when ``dataset`` is a string.
+        prompts_per_step: Prompts drawn per rollout batch on each rank.
+        num_generations: Completions per prompt (G).
+        max_new_tokens: Longest completion, in tokens.
+        top_p: Nucleus sampling mass.
+        top_k: Top-k sampling (0 = off).
+        max_prompt_tokens: Longer prompts (after the chat template) are dropped; None keeps all.
+        num_iterations: Passes over each rollout batch (the ratio stays against the rollout-time policy).
+        minibatch_size: Completions per optimizer step; must divide ``prompts_per_step * num_generations``. None = the
+            whole rollout batch.
+        stop_tokens: Extra tokens that end a completion (e.g. ``["<|im_end|>"]``), besides the tokenizer's EOS and
+            the policy's ``generation_config.eos_token_id``.
+        use_chat_template: Wrap prompts in the tokenizer's chat template when it has one.
+        system_prompt: System message before each prompt (chat template only).
+        seed: Seed of the prompt order and of the sampling.
+    """
+
+    def __init__(
+        self,
+        dataset: str | Dataset,
+        tokenizer: str | PreTrainedTokenizerBase,
+        reward_funcs: list[RewardFn] | dict[str, RewardFn],
+        reward_weights: list[float] | None = None,
+        dataset_kwargs: dict[str, Any] | None = None,
+        prompts_per_step: int = 8,
+        num_generations: int = 8,
+        max_new_tokens: int = 256,
+        top_p: float = 1.0,
+        top_k: int = 0,
+        max_prompt_tokens: int | None = None,
+        num_iterations: int = 1,
+        minibatch_size: int | None = None,
+        stop_tokens: list[str] | None = None,
+        use_chat_template: bool = True,
+        system_prompt: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        for name, value in (
+            ("prompts_per_step", prompts_per_step),
+            ("num_generations", num_generations),
+            ("max_new_tokens", max_new_tokens),
+            ("num_iterations", num_iterations),
+        ):
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        rows = prompts_per_step * num_generations
+        if minibatch_size is not None and (minibatch_size < 1 or rows % minibatch_size != 0):
+            raise ValueError(f"minibatch_size={minibatch_size} must divide prompts_per_step * num_generations = {rows}")
+        if not isinstance(dataset, (str, Dataset)):
+            raise ValueError(f"dataset must be a datasets.Dataset or a task name, got {type(dataset).__name__}")
+        if not isinstance(dataset, str) and dataset_kwargs:
+            raise ValueError("dataset_kwargs are for a dataset given by name; this one is a Dataset")
+        given = (("dataset", dataset), ("tokenizer", tokenizer))
+        objects = [name for name, value in given if not isinstance(value, str)]
+        self.save_hyperparameters(ignore=[*objects, "reward_funcs"])
+        self.dataset = dataset
+        self.dataset_kwargs = dict(dataset_kwargs or {})
+        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.rewards = WeightedRewards(reward_funcs, reward_weights)
+        self.prompts_per_step = prompts_per_step
+        self.num_generations = num_generations
+        self.max_new_tokens = max_new_tokens
+        self.top_p = top_p
+        self.top_k = top_k
+        self.max_prompt_tokens = max_prompt_tokens
+        self.num_iterations = num_iterations
+        self.minibatch_size = minibatch_size
+        self.stop_token_ids = [self._token_id(token) for token in stop_tokens or []]
+        self.use_chat_template = use_chat_template
+        self.system_prompt = system_prompt
+        self.seed = seed
+        self.prompts: Dataset | None = None
+        self.prompt_lengths: list[int] = []
+        self.num_filtered: dict[str, int] = {}
+
+    def _token_id(self, token: str) -> int:
+        token_id = self.tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or (token_id == self.tokenizer.unk_token_id and token != self.tokenizer.unk_token):
+            raise ValueError(f"stop token {token!r} is not a single token of the tokenizer")
+        return token_id
+
+    @property
+    def templated(self) -> bool:
+        """Whether prompts go through the tokenizer's chat template (then tokenized without extra special tokens)."""
+        return self.use_chat_template and getattr(self.tokenizer, "chat_template", None) is not None
+
+    @property
+    def batches_per_step(self) -> int:
+        """Minibatches yielded per rollout batch, all passes together."""
+        rows = self.prompts_per_step * self.num_generations
+        return self.num_iterations * (rows // (self.minibatch_size or rows))
+
+    def setup(self, stage: str | None = None) -> None:
+        """Build the prompt rows, apply the chat template and drop over-long and empty prompts (idempotent)."""
+        if self.prompts is not None:
+            return
+        if isinstance(self.dataset, str):
+            loader = load_task if self.dataset in TASKS else load_rows
+            raw = loader(self.dataset, **self.dataset_kwargs)
+        else:
+            raw = self.dataset
+        if "prompt" not in raw.column_names:
+            raise ValueError(f"the prompt dataset needs a 'prompt' column, got columns {raw.column_names}")
+        prepared, too_long = prepare_prompts(
+            raw, self.tokenizer, self.max_prompt_tokens, self.system_prompt, self.use_chat_template
+        )
+        encoded = self.tokenizer(list(prepared["prompt"]), add_special_tokens=not self.templated)["input_ids"]
+        keep = [index for index, ids in enumerate(encoded) if len(ids) > 0]
+        empty = len(encoded) - len(keep)
+        if too_long or empty:
+            logger.warning(
+                "dropped %d prompts longer than max_prompt_tokens=%s and %d empty prompts",
+                too_long,
+                self.max_prompt_tokens,
+                empty,
+            )
+        self.prompts = prepared.select(keep) if empty else prepared
+        self.prompt_lengths = [len(encoded[index]) for index in keep]
+        self.num_filtered = {"too_long": too_long, "empty": empty}
+        if not self.prompts:
+            raise ValueError(f"no prompt is left after filtering ({self.num_filtered}); check max_prompt_tokens")
+
+    def train_dataloader(self) -> "ExperienceStream":
+        trainer = self.trainer
+        if trainer is None:
+            raise RuntimeError("RolloutDataModule.train_dataloader needs a Trainer; use ExperienceStream directly")
+        return ExperienceStream(self, trainer.lightning_module, rank=trainer.global_rank, world_size=trainer.world_size)
+
+    def eligible_indices(self, min_prompt_length: int = 1) -> list[int]:
+        """Indices of the prompts with at least ``min_prompt_length`` tokens (a compressor's minimum); count logged."""
+        self.setup()
+        indices = [i for i, length in enumerate(self.prompt_lengths) if length >= min_prompt_length]
+        short = len(self.prompt_lengths) - len(indices)
+        self.num_filtered["too_short"] = short
+        if short:
+            logger.warning("dropped %d prompts shorter than the compressor's %d tokens", short, min_prompt_length)
+        return indices
+
+    @torch.no_grad()
+    def collect(
+        self, learner: RolloutLearner, indices: Sequence[int], generator: torch.Generator | None = None
+    ) -> Experience:
+        """One rollout batch: sample G completions for the prompts ``indices``, score them, build the `Experience`.
+
+        Args:
+            learner: The module that owns the policy (see `RolloutLearner`).
+            indices: Rows of the prepared prompt dataset.
+            generator: Random generator on the policy's device (seeded sampling).
+
+        Returns:
+            The whole batch as one `Experience` (``iteration=0``, with the batch metrics, ``time/*`` included).
+        """
+        self.setup()
+        start = time.perf_counter()
+        policy = learner.policy
+        device = next(policy.parameters()).device
+        rows = self.prompts[list(indices)]  # column -> values
+        encoded = self.tokenizer(
+            rows["prompt"],
+            padding=True,
+            padding_side="left",
+            return_tensors="pt",
+            add_special_tokens=not self.templated,
+        )
+        rollout = generate(
+            policy,
+            encoded["input_ids"].to(device),
+            encoded["attention_mask"].to(device),
+            compressor=learner.compressor,
+            max_new_tokens=self.max_new_tokens,
+            temperature=learner.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            num_samples=self.num_generations,
+            eos_token_id=self._eos_ids(policy),
+            pad_token_id=self.tokenizer.pad_token_id,
+            generator=generator,
+        )
+        _synchronize(device)
+        generated = time.perf_counter()
+        rewards = self.score(rollout, rows)
+        scored = time.perf_counter()
+        experience = learner.make_experience(
+            rollout,
+            rewards.total,
+            group_size=self.num_generations,
+            reward_components=rewards.per_function,
+            max_completion_length=self.max_new_tokens,
+        )
+        _synchronize(device)
+        done = time.perf_counter()
+        experience.metrics.update(
+            {
+                "time/generate_s": generated - start,
+                "time/reward_s": scored - generated,
+                "time/rollout_s": done - start,
+            }
+        )
+        return experience
+
+    def score(self, rollout: Rollout, rows: dict[str, list]) -> Any:
+        """Decode the completions and run the reward functions (`lit_smd.rewards.RewardOutput`).
+
+        Args:
+            rollout: G completions per prompt of ``rows``.
+            rows: The prompt rows, column -> values (``prompt`` and the reference columns).
+        """
+        group = self.num_generations
+        ids = [
+            row[mask].tolist()
+            for row, mask in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu(), strict=True)
+        ]
+        completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        repeated = {name: [value for value in values for _ in range(group)] for name, values in rows.items()}
+        prompts = repeated.pop("prompt")
+        return self.rewards(prompts, completions, completion_ids=ids, **repeated)
+
+    def minibatches(self, experience: Experience) -> Iterator[Experience]:
+        """``num_iterations`` passes of consecutive ``minibatch_size`` slices; batch metrics on the first only."""
+        size = len(experience)
+        step = self.minibatch_size or size
+        for iteration in range(self.num_iterations):
+            for start in range(0, size, step):
+                part = experience if step == size else experience.select(slice(start, start + step))
+                first = iteration == 0 and start == 0
+                yield replace(part, iteration=iteration, metrics=dict(experience.metrics) if first else {})
+
+    def _eos_ids(self, policy: torch.nn.Module) -> list[int]:
+        ids = [self.tokenizer.eos_token_id, *self.stop_token_ids]
+        configured = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
+        ids += configured if isinstance(configured, list) else [configured]
+        return sorted({i for i in ids if i is not None})
+
+
+class ExperienceStream:
+    """The train "dataloader": an iterable with a length, generating each rollout batch when it is requested.
+
+    One epoch is ``len(prompts) // (prompts_per_step * world_size)`` rollout batches (the remainder is dropped), each
+    yielding `RolloutDataModule.batches_per_step` minibatches. The prompt order is a permutation seeded by
+    ``seed + epoch``, shared by all ranks and split between them. Stateful (``state_dict`` / ``load_state_dict``), so
+    Lightning resumes a checkpoint mid-epoch at the next minibatch.
+
+    Args:
+        datamodule: Supplies the prompts, tokenizer, rewards and sampling settings.
+        learner: The module that owns the policy (see `RolloutLearner`).
+        rank: This process's rank.
+        world_size: Number of processes.
+    """
+
+    def __init__(self, datamodule: RolloutDataModule, learner: RolloutLearner, rank: int = 0, world_size: int = 1):
+        if not isinstance(learner, RolloutLearner):
+            raise TypeError(
+                f"{type(learner).__name__} cannot drive on-policy rollouts: it needs `policy`, `compressor`, "
+                "`temperature` and `make_experience` (see lit_smd.datamodules.RolloutLearner)"
+            )
+        self.datamodule = datamodule
+        self.learner = learner
+        self.rank = rank
+        self.world_size = world_size
+        compressor = learner.compressor
+        self.indices = datamodule.eligible_indices(1 if compressor is None else compressor.min_prompt_length)
+        per_step = datamodule.prompts_per_step * world_size
+        self.steps_per_epoch = len(self.indices) // per_step
+        if self.steps_per_epoch == 0:
+            raise ValueError(
+                f"{len(self.indices)} usable prompts cannot fill one step of prompts_per_step="
+                f"{datamodule.prompts_per_step} on {world_size} rank(s) (filtered: {datamodule.num_filtered})"
+            )
+        self._epochs_started = 0
+        self._epoch = 0
+        self._consumed = 0
+        self._resume: dict[str, int] | None = None
+
+    def __len__(self) -> int:
+        return self.steps_per_epoch * self.datamodule.batches_per_step
+
+    def __iter__(self) -> Iterator[Experience]:
+        dm = self.datamodule
+        epoch = dm.trainer.current_epoch if dm.trainer is not None else self._epochs_started
+        self._epochs_started += 1
+        skip = 0
+        if self._resume is not None:
+            skip = self._resume["consumed"] if self._resume["epoch"] == epoch else 0
+            self._resume = None
+        self._epoch, self._consumed = epoch, skip
+        order = torch.randperm(len(self.indices), generator=torch.Generator().manual_seed(dm.seed + epoch))
+        used = self.steps_per_epoch * self.world_size * dm.prompts_per_step
+        order = order[:used].view(self.steps_per_epoch, self.world_size, dm.prompts_per_step)[:, self.rank]
+        device = next(self.learner.policy.parameters()).device
+        per_step = dm.batches_per_step
+        for step in range(skip // per_step, self.steps_per_epoch):
+            # One seed per (epoch, rank, step): a resumed run samples what the original run would have.
+            generator = torch.Generator(device=device).manual_seed(hash((dm.seed, epoch, self.rank, step)) % 2**63)
+            experience = dm.collect(self.learner, [self.indices[i] for i in order[step].tolist()], generator)
+            for index, part in enumerate(dm.minibatches(experience)):
+                if step * per_step + index >= skip:
+                    self._consumed += 1
+                    yield part
+
+    def state_dict(self) -> dict[str, int]:
+        """Position in the epoch, saved in Lightning checkpoints so that a resumed run continues mid-epoch."""
+        return {"epoch": self._epoch, "consumed": self._consumed}
+
+    def load_state_dict(self, state_dict: dict[str, int]) -> None:
+        """Resume after ``consumed`` minibatches of ``epoch`` (a partly used rollout batch is sampled again)."""
+        self._resume = {"epoch": int(state_dict["epoch"]), "consumed": int(state_dict["consumed"])}
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

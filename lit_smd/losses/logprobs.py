@@ -1,0 +1,69 @@
+"""Token log-probs and entropy from final hidden states, projecting to the vocabulary a chunk of rows at a time.
+
+Plain PyTorch (no Lightning). The learner needs the log-prob of each sampled token (with gradient) and the entropy of
+the full distribution (for logging) without materialising ``[tokens, vocab]`` logits: each chunk is projected,
+reduced, and recomputed in the backward (``torch.utils.checkpoint``). Log-probs are of the temperature-scaled
+full-vocabulary distribution, in float32 (float64 for float64 inputs), as in `lit_smd.rollout.score`.
+"""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+__all__ = ["token_logprobs_and_entropy"]
+
+
+def token_logprobs_and_entropy(
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    ids: Tensor,
+    *,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+) -> tuple[Tensor, Tensor]:
+    """Log-probs of given tokens and the entropy, from hidden states, projecting to the vocabulary in chunks.
+
+    Each chunk of ``chunk_size`` rows is projected, log-softmaxed at ``temperature`` (float32, float64 for float64
+    inputs) and reduced; with gradients enabled the chunk is recomputed in the backward
+    (``torch.utils.checkpoint``), so at most one ``[chunk_size, V]`` block of logits and its gradient are alive.
+
+    Args:
+        hidden: ``[B, N, H]`` final hidden states (the ones predicting ``ids``).
+        weight: ``[V, H]`` output projection.
+        bias: ``[V]`` output bias or None.
+        ids: ``[B, N]`` token ids to score.
+        temperature: Softmax temperature.
+        chunk_size: Rows per chunk.
+
+    Returns:
+        ``(logprobs [B, N], entropy [B, N])``; log-probs carry gradients, the entropy (nats) is detached.
+    """
+    shape = ids.shape
+    flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [B*N, H]
+    flat_ids = ids.reshape(-1)  # [B*N]
+    dtype = torch.float64 if torch.float64 in (hidden.dtype, weight.dtype) else torch.float32
+    recompute = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    logprobs, entropies = [], []
+    for start in range(0, flat_ids.shape[0], chunk_size):
+        rows = slice(start, start + chunk_size)
+        args = (flat_hidden[rows], weight, bias, flat_ids[rows], temperature, dtype)
+        if recompute:
+            chunk_logprobs, chunk_entropy = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
+        else:
+            chunk_logprobs, chunk_entropy = _chunk_logprobs(*args)
+        logprobs.append(chunk_logprobs)
+        entropies.append(chunk_entropy)
+    return torch.cat(logprobs).view(shape), torch.cat(entropies).view(shape)
+
+
+def _chunk_logprobs(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, temperature: float, dtype: torch.dtype
+) -> tuple[Tensor, Tensor]:
+    logits = F.linear(hidden, weight, bias).to(dtype) / temperature  # [C, V]
+    log_norm = logits.logsumexp(dim=-1)  # [C]
+    logprobs = logits.gather(-1, ids[:, None]).squeeze(-1) - log_norm  # [C]
+    with torch.no_grad():
+        entropy = log_norm - (torch.softmax(logits, dim=-1) * logits).sum(-1)  # [C]
+    return logprobs, entropy

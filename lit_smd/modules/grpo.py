@@ -1,0 +1,567 @@
+"""GRPO with KV-compressed rollouts: the dense, naive, Sparse-RL and Shadow Mask Distillation (SMD) learners.
+
+Algorithm
+    GRPO (Shao et al., "DeepSeekMath", arXiv 2402.03300) samples G completions per prompt, gives each one the
+    group-relative advantage of its reward, and updates the policy with PPO's clipped surrogate on the per-token ratio
+    ``rho_t = pi_theta(y_t) / pi_old(y_t)``, optionally plus ``beta`` times a k3 estimate of the KL to a frozen
+    reference. The loss math (``scale_rewards``, ``loss_type`` grpo / dr_grpo / dapo from Dr. GRPO, arXiv 2503.20783,
+    and DAPO, arXiv 2503.14476, ``epsilon`` / ``epsilon_high``) lives in `lit_smd.losses.grpo` and follows TRL.
+
+    Rollouts are sampled with a compressed KV cache (`lit_smd.rollout.generate` with a compressor): the sampler is the
+    *sparse* policy ``mu = pi_theta(. | x, M)``, where ``M`` is the shadow mask, the record of which keys each
+    generated token could see. The four modes differ in the learner's view and the correction:
+
+    ==========  ==========  ==========================  ================================================================
+    mode        rollout     learner (with gradient)     ratio denominator and correction
+    ==========  ==========  ==========================  ================================================================
+    dense       dense       dense                       rollout log-probs (dense sampler); none
+    naive       compressed  dense                       rollout log-probs ``mu``; none (the off-policy baseline)
+    sparse_rl   compressed  dense                       dense ``pi_old`` recomputed at rollout time; Sparse-RL veto,
+                                                        token mask and weights on ``xi = pi_old / mu``
+    smd         compressed  masked by ``M``             rollout log-probs ``mu`` (= ``pi_old^M``: exact replay);
+                                                        ``+ kl_coef * KL(sg[pi_theta(.|x)] || pi_theta(.|x, M))``
+    ==========  ==========  ==========================  ================================================================
+
+    SMD (Zhu et al., "Shadow Mask Distillation", arXiv 2605.06850) replays ``M`` in the learner's attention, so the
+    learner's log-probs equal the sampler's and the first-pass ratio is 1: no off-policy gap, nothing to reweight. A
+    second forward of the same weights without the mask, under ``no_grad``, is the teacher of a full-vocabulary token
+    KL that keeps the compressed view close to the dense one (``lit_smd.losses.kl.chunked_token_kl``, computed in
+    chunks so the ``[tokens, vocab]`` logits of both passes are never all alive at once). Sparse-RL (Luo et al.,
+    arXiv 2601.10079) keeps a dense learner and corrects with rejection and truncated importance weights
+    (`lit_smd.losses.sparse_rl`).
+
+Departures and choices (from the papers, TRL and the SMD repository)
+    - The SMD objective is the project's: GRPO on the masked policy plus ``kl_coef * KL(sg[dense] || masked)``, the
+      forward KL from the dense teacher into the masked student (``kl_stop_gradient="dense"``).
+      ``kl_stop_gradient="masked"`` is the SMD README's variant ``KL(dense || sg[masked])``: the gradient then flows
+      into a second, dense pass *with* gradient (the GRPO term still trains the masked pass). The SMD repository's
+      code uses neither (a sampled-token hinge against rollout log-probs); it is not reproduced. The KL is a token mean
+      over the minibatch's loss tokens, whatever ``loss_type``; with ``kl_coef=0`` the dense pass is skipped.
+    - The default ``loss_type`` is ``"grpo"`` (per-sequence token mean), the aggregation of both the SMD objective and
+      the official Sparse-RL recipe; TRL's default is ``"dapo"``. All modes use the configured one.
+    - Sparse-RL's correction (veto, token bounds, weight normalisation) is computed once per rollout batch in
+      `make_experience`, over the whole batch as the paper normalises, and reused by every minibatch and iteration.
+    - ``num_iterations`` passes (run by the data side, see `lit_smd.datamodules.RolloutDataModule`) keep the
+      rollout-time denominators: ``mu`` (dense / naive / smd) or the rollout-time dense ``pi_old`` (sparse_rl). For
+      smd ``mu`` is exactly ``pi_old^M``, the masked policy before the update.
+    - The reference KL uses the learner's view: the reference scores the masked view in smd mode and the dense view
+      otherwise, so it measures how far the trained view moved from the same view of the reference. ``beta=0`` and no
+      ``reference`` loads no reference model; a ``reference`` with ``beta=0`` is scored for ``train/kl_ref`` only.
+    - Entropy is logged (``train/entropy``, of the learner view's temperature-scaled distribution), never added to
+      the loss. Dropout is disabled by default (``disable_dropout``), as replaying ``M`` exactly needs a
+      deterministic learner.
+    - Log-probs are of the temperature-scaled full-vocabulary distribution, at rollout and learner alike; with
+      top-p / top-k sampling the recorded values are not the sampler's exact (truncated) probabilities.
+    - ``mismatch/`` compares the learner view's log-probs with the rollout's on the first pass over each batch only
+      (later minibatches of that pass also see the updates of the earlier ones).
+
+Logged keys (TensorBoard, every training step unless noted)
+    ``train/loss``, ``train/policy_loss``, ``train/kl_ref``, ``train/entropy``, ``train/clip_fraction``,
+    ``train/clip_low_fraction``, ``train/clip_high_fraction``, ``train/ratio_mean|min|max``, ``smd/kl`` (smd),
+    ``mismatch/logprob_abs_diff_mean|max``, ``mismatch/k3_kl`` (first pass), ``time/learner_s``, and once per rollout
+    batch (with its first minibatch): ``rollout/reward_mean|std``, ``rollout/reward/<fn>``,
+    ``rollout/advantage_mean|std|abs_max``, ``rollout/zero_std_group_fraction``,
+    ``rollout/completion_length_mean|max``, ``rollout/truncated_fraction``, ``kv/visible_fraction`` (compressed
+    rollouts), ``sparse_rl/rejected_sequence_fraction|masked_token_fraction|weight_mean|weight_min|weight_max``
+    (sparse_rl), and whatever the data side adds (``time/rollout_s``, ...).
+"""
+
+import copy
+import math
+import time
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Literal
+
+import torch
+from lightning.pytorch import LightningModule
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from lit_smd.datamodules.rollout import Experience
+from lit_smd.kv import Compressor
+from lit_smd.losses.grpo import LossType, ScaleRewards, group_advantages, mismatch_stats, policy_loss
+from lit_smd.losses.kl import KLOutput, chunked_token_kl
+from lit_smd.losses.logprobs import token_logprobs_and_entropy
+from lit_smd.losses.sparse_rl import SparseRLConfig, sparse_rl_correction
+from lit_smd.models import load_causal_lm
+from lit_smd.rollout import Rollout, completion_hidden_states
+
+__all__ = ["GRPOModule", "Mode"]
+
+Mode = Literal["dense", "naive", "sparse_rl", "smd"]
+KLStopGradient = Literal["dense", "masked"]
+ModelDType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
+OptimizerCallable = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+LRSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+
+class GRPOModule(LightningModule):
+    """GRPO learner for dense, naive, Sparse-RL and SMD training on (compressed-cache) rollouts.
+
+    Consumes `Experience` batches (`lit_smd.datamodules.RolloutDataModule` produces them on-policy; `make_experience`
+    builds one from any `Rollout`, e.g. one loaded from disk). See the module docstring for the algorithm and logged
+    keys.
+
+    Interface used by the data side (`lit_smd.datamodules.RolloutLearner`): ``policy``, ``compressor``,
+    ``temperature`` and `make_experience`.
+
+    Example, with rollouts from elsewhere (``batch_size=None``: each item already is a batch)::
+
+        module = GRPOModule(policy, mode="smd", compressor=SnapKV(0.5))
+        experience = module.make_experience(Rollout.load("rollout.pt"), rewards, group_size=8)
+        Trainer(max_steps=1).fit(module, DataLoader([experience], batch_size=None))
+
+    Args:
+        policy: The model to train: a Hugging Face causal LM, or a hub id / local directory loaded in
+            `configure_model` with `lit_smd.models.load_causal_lm`.
+        mode: ``"dense"``, ``"naive"``, ``"sparse_rl"`` or ``"smd"`` (see the module docstring).
+        compressor: KV compressor of the rollouts (a `lit_smd.kv` compressor). Required by naive, sparse_rl and
+            smd; must be None for dense.
+        reference: Frozen reference for the k3 KL: a model, a hub id / directory, or None for a frozen copy of the
+            initial policy when ``beta > 0`` (and no reference at all when ``beta == 0``).
+        temperature: Sampling temperature; rollout and learner log-probs are of the distribution at this
+            temperature. The data side samples at this value.
+        scale_rewards: Advantage scaling: ``"group"``, ``"batch"`` or ``"none"`` (Dr. GRPO).
+        loss_type: ``"grpo"`` (sequence mean), ``"dr_grpo"`` or ``"dapo"`` (token mean).
+        epsilon: Lower clip range of the ratio.
+        epsilon_high: Upper clip range; None means ``epsilon`` (DAPO suggests 0.28).
+        beta: Coefficient of the k3 KL to the reference (0: no reference model).
+        mask_truncated_completions: Exclude completions that hit ``max_new_tokens`` from the loss.
+        kl_coef: SMD's lambda, the weight of ``KL(dense || masked)`` (smd only).
+        kl_stop_gradient: Which side of the SMD KL is behind the stop-gradient: ``"dense"`` (the project's objective)
+            or ``"masked"`` (the SMD README's).
+        sparse_rl: Sparse-RL bounds (sparse_rl only); None means the official defaults.
+        optimizer: Optimizer factory called with the policy's trainable parameters; None means AdamW with lr 1e-6
+            and no weight decay (TRL / verl defaults).
+        lr_scheduler: Optional scheduler factory called with the optimizer, stepped every optimizer step.
+        logits_chunk_size: Rows of ``[rows, vocab]`` logits projected at a time (log-probs, entropy, SMD KL).
+        scoring_batch_size: Rows per no-grad forward when `make_experience` scores old / reference log-probs; None
+            scores the whole rollout batch at once.
+        model_dtype: Parameter dtype when ``policy`` / ``reference`` is loaded from a path.
+        gradient_checkpointing: Enable the policy's activation checkpointing.
+        disable_dropout: Set every dropout probability of the policy to 0 (needed for an exact SMD replay).
+    """
+
+    def __init__(
+        self,
+        policy: str | PreTrainedModel,
+        mode: Mode = "smd",
+        compressor: Compressor | None = None,
+        reference: str | PreTrainedModel | None = None,
+        temperature: float = 1.0,
+        scale_rewards: ScaleRewards = "group",
+        loss_type: LossType = "grpo",
+        epsilon: float = 0.2,
+        epsilon_high: float | None = None,
+        beta: float = 0.0,
+        mask_truncated_completions: bool = False,
+        kl_coef: float = 0.1,
+        kl_stop_gradient: KLStopGradient = "dense",
+        sparse_rl: SparseRLConfig | None = None,
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        logits_chunk_size: int = 1024,
+        scoring_batch_size: int | None = None,
+        model_dtype: ModelDType = "auto",
+        gradient_checkpointing: bool = False,
+        disable_dropout: bool = True,
+    ) -> None:
+        super().__init__()
+        _check_init_args(
+            mode, compressor, temperature, beta, kl_coef, kl_stop_gradient, logits_chunk_size, scoring_batch_size
+        )
+        ignored = [
+            name for name, value in (("policy", policy), ("reference", reference)) if isinstance(value, torch.nn.Module)
+        ]
+        self.save_hyperparameters(ignore=[*ignored, "optimizer", "lr_scheduler"])
+        self.mode = mode
+        self.compressor = compressor
+        self.temperature = temperature
+        self.scale_rewards = scale_rewards
+        self.loss_type = loss_type
+        self.epsilon = epsilon
+        self.epsilon_high = epsilon_high
+        self.beta = beta
+        self.mask_truncated_completions = mask_truncated_completions
+        self.kl_coef = kl_coef
+        self.kl_stop_gradient = kl_stop_gradient
+        self.sparse_rl = SparseRLConfig() if sparse_rl is None else sparse_rl
+        self.optimizer_factory = optimizer
+        self.lr_scheduler_factory = lr_scheduler
+        self.logits_chunk_size = logits_chunk_size
+        self.scoring_batch_size = scoring_batch_size
+        self.model_dtype = model_dtype
+        self.gradient_checkpointing = gradient_checkpointing
+        self.disable_dropout = disable_dropout
+        self._policy_source = policy if isinstance(policy, str) else None
+        self._reference_source = reference if isinstance(reference, str) else None
+        self.policy: PreTrainedModel | None = policy if isinstance(policy, PreTrainedModel) else None
+        self.reference: PreTrainedModel | None = reference if isinstance(reference, PreTrainedModel) else None
+        self._learner_start: float | None = None
+        if self.policy is not None:
+            self._prepare_policy()
+        if self.reference is not None:
+            _freeze(self.reference)
+
+    # -------------------------------------------------------------------------------------------------- forward
+
+    @property
+    def uses_shadow_view(self) -> bool:
+        """Whether the learner replays the shadow mask (smd) instead of running the dense view."""
+        return self.mode == "smd"
+
+    def forward(self, rollout: Rollout) -> Tensor:
+        """Log-probs ``[B, N]`` of the completion tokens under the learner's view (masked for smd, else dense)."""
+        hidden = completion_hidden_states(self.policy, rollout, shadow=self.uses_shadow_view)  # [B, N, H]
+        logprobs, _ = self._token_logprobs(self.policy, hidden, rollout.completion_ids)
+        return logprobs.masked_fill(~rollout.completion_mask, 0.0)
+
+    # ------------------------------------------------------------------------------------------------- training
+
+    def training_step(self, batch: Experience, batch_idx: int) -> Tensor:
+        if not isinstance(batch, Experience):
+            raise TypeError(
+                f"GRPOModule.training_step expects an Experience batch, got {type(batch).__name__}; build one from a "
+                "Rollout with GRPOModule.make_experience, or train with lit_smd.datamodules.RolloutDataModule"
+            )
+        self._check_rollout(batch.rollout)
+        rollout = batch.rollout
+        hidden = completion_hidden_states(self.policy, rollout, shadow=self.uses_shadow_view)  # [B, N, H]
+        logprobs, entropy = self._token_logprobs(self.policy, hidden, rollout.completion_ids)  # [B, N], [B, N]
+        out = policy_loss(
+            logprobs,
+            batch.old_logprobs,
+            batch.advantages,
+            batch.loss_mask,
+            epsilon=self.epsilon,
+            epsilon_high=self.epsilon_high,
+            loss_type=self.loss_type,
+            max_completion_length=batch.max_completion_length,
+            token_weights=batch.token_weights,
+            ref_logprobs=batch.ref_logprobs,
+            beta=self.beta,
+        )
+        loss = out.loss
+        metrics = {
+            "train/policy_loss": out.policy_loss,
+            "train/kl_ref": out.kl,
+            "train/entropy": _masked_mean(entropy, rollout.completion_mask),
+            "train/clip_fraction": out.clip_fraction,
+            "train/clip_low_fraction": out.clip_low_fraction,
+            "train/clip_high_fraction": out.clip_high_fraction,
+            "train/ratio_mean": out.ratio_mean,
+            "train/ratio_min": out.ratio_min,
+            "train/ratio_max": out.ratio_max,
+        }
+        if self.mode == "smd" and self.kl_coef > 0:
+            kl = self.smd_kl(rollout, batch.loss_mask, masked_hidden=hidden)
+            loss = loss + self.kl_coef * kl.loss
+            metrics["smd/kl"] = kl.forward_kl if self.kl_stop_gradient == "dense" else kl.reverse_kl
+        if batch.iteration == 0:
+            stats = mismatch_stats(logprobs.detach(), rollout.logprobs, rollout.completion_mask)
+            metrics["mismatch/logprob_abs_diff_mean"] = stats.abs_diff_mean
+            metrics["mismatch/logprob_abs_diff_max"] = stats.abs_diff_max
+            metrics["mismatch/k3_kl"] = stats.kl
+        metrics["train/loss"] = loss.detach()
+        size = len(rollout)
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=size)
+        if batch.metrics:
+            self.log_dict(dict(batch.metrics), on_step=True, on_epoch=False, batch_size=size)
+            if "rollout/reward_mean" in batch.metrics:
+                self.log("reward", batch.metrics["rollout/reward_mean"], prog_bar=True, logger=False, batch_size=size)
+        return loss
+
+    def smd_kl(self, rollout: Rollout, mask: Tensor, masked_hidden: Tensor | None = None) -> KLOutput:
+        """SMD's distillation term between the dense and the shadow-masked views of the policy.
+
+        ``kl_stop_gradient="dense"``: ``KL(sg[dense] || masked)``, the dense pass under ``no_grad`` as the teacher and
+        the masked pass as the student. ``"masked"``: ``KL(dense || sg[masked])``, gradient into the dense pass.
+
+        Args:
+            rollout: A compressed rollout (with a shadow mask).
+            mask: ``[B, N]`` bool, the tokens averaged over.
+            masked_hidden: ``[B, N, H]`` hidden states of the masked pass if already computed.
+
+        Returns:
+            ``KLOutput``; its ``loss`` is the token-mean KL, ``forward_kl`` (dense) / ``reverse_kl`` (masked) its value.
+        """
+        lm_head = self.policy.get_output_embeddings()
+        if masked_hidden is None:
+            masked_hidden = completion_hidden_states(self.policy, rollout, shadow=True)  # [B, N, H]
+        common = {"temperature": self.temperature, "mask": mask, "chunk_size": self.logits_chunk_size}
+        if self.kl_stop_gradient == "dense":
+            with torch.no_grad():
+                dense_hidden = completion_hidden_states(self.policy, rollout, shadow=False)  # [B, N, H]
+            return chunked_token_kl(
+                masked_hidden,
+                lm_head.weight,
+                dense_hidden,
+                teacher_lm_head_weight=lm_head.weight,
+                lm_head_bias=lm_head.bias,
+                teacher_lm_head_bias=lm_head.bias,
+                **common,
+            )
+        dense_hidden = completion_hidden_states(self.policy, rollout, shadow=False)  # [B, N, H]
+        return chunked_token_kl(
+            dense_hidden,
+            lm_head.weight,
+            masked_hidden.detach(),
+            teacher_lm_head_weight=lm_head.weight,
+            lm_head_bias=lm_head.bias,
+            teacher_lm_head_bias=lm_head.bias,
+            forward_weight=0.0,
+            reverse_weight=1.0,
+            **common,
+        )
+
+    def configure_optimizers(self) -> object:
+        """The injected optimizer (default AdamW, lr 1e-6) over the policy, with the scheduler stepped per step."""
+        params = [p for p in self.policy.parameters() if p.requires_grad]
+        if self.optimizer_factory is None:
+            optimizer = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
+        else:
+            optimizer = self.optimizer_factory(params)
+        if self.lr_scheduler_factory is None:
+            return optimizer
+        scheduler = self.lr_scheduler_factory(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------------------------------------- hooks
+
+    def configure_model(self) -> None:
+        """Load ``policy`` / ``reference`` given as paths and copy the reference when needed (idempotent)."""
+        if self.policy is None:
+            self.policy = load_causal_lm(self._policy_source, dtype=self.model_dtype)
+            self._prepare_policy()
+        if self.reference is None and self._reference_source is not None:
+            self.reference = _freeze(load_causal_lm(self._reference_source, dtype=self.model_dtype))
+        if self.reference is None and self.beta > 0:
+            self.reference = _freeze(copy.deepcopy(self.policy))
+
+    def _prepare_policy(self) -> None:
+        if self.disable_dropout:
+            _disable_dropout(self.policy)
+        if self.gradient_checkpointing:
+            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+
+    def on_fit_start(self) -> None:
+        # from_pretrained returns eval-mode models and Lightning keeps the mode it finds; the learner trains in train
+        # mode (activation checkpointing needs it; dropout is off unless disable_dropout=False). The reference stays
+        # in eval mode, hence Lightning's "modules in eval mode" notice when there is one.
+        self.policy.train()
+
+    def on_train_batch_start(self, batch: Experience, batch_idx: int) -> None:
+        _synchronize(self.device)
+        self._learner_start = time.perf_counter()
+
+    def on_train_batch_end(self, outputs: object, batch: Experience, batch_idx: int) -> None:
+        if self._learner_start is None:
+            return
+        _synchronize(self.device)
+        self.log(
+            "time/learner_s",
+            time.perf_counter() - self._learner_start,
+            on_step=True,
+            on_epoch=False,
+            batch_size=len(batch.rollout),
+        )
+        self._learner_start = None
+
+    # ------------------------------------------------------------------------------- experience (data interface)
+
+    @torch.no_grad()
+    def make_experience(
+        self,
+        rollout: Rollout,
+        rewards: Tensor,
+        *,
+        group_size: int,
+        reward_components: dict[str, Tensor] | None = None,
+        max_completion_length: int | None = None,
+    ) -> Experience:
+        """Turn a scored rollout batch into an `Experience`: advantages, loss mask, ratio denominators, metrics.
+
+        Computes what the mode needs before any update: the group advantages, the loss mask (``completion_mask``,
+        minus truncated completions with ``mask_truncated_completions``), the dense ``pi_old`` log-probs and the
+        Sparse-RL mask and weights (sparse_rl, over the whole batch), the reference log-probs (when a reference is
+        loaded), and the ``rollout/``, ``kv/`` and ``sparse_rl/`` metrics. Works for a `Rollout` from any source.
+
+        Args:
+            rollout: ``B`` completions, the ``group_size`` completions of each prompt consecutive.
+            rewards: ``[B]`` scalar rewards.
+            group_size: G, completions per prompt.
+            reward_components: Each reward function's ``[B]`` values by name, logged as ``rollout/reward/<name>``.
+            max_completion_length: The ``dr_grpo`` normaliser (the rollout's ``max_new_tokens``); None means the
+                rollout's width.
+
+        Returns:
+            The `Experience` on the module's device, ``iteration=0``.
+
+        Raises:
+            ValueError: The rollout does not fit the mode (e.g. smd without a shadow mask), or the rewards are
+                malformed or non-finite.
+        """
+        self.configure_model()  # no-op under a Trainer; loads / copies the models when called before fit
+        self._check_rollout(rollout)
+        rollout = rollout.to(self.device)
+        rewards = torch.as_tensor(rewards, device=self.device).flatten()
+        if rewards.numel() != len(rollout):
+            raise ValueError(f"got {rewards.numel()} rewards for a rollout of {len(rollout)} completions")
+        advantages = group_advantages(rewards, group_size, self.scale_rewards)  # [B]
+        loss_mask = rollout.completion_mask.clone()  # [B, N]
+        if self.mask_truncated_completions:
+            loss_mask &= ~rollout.truncated[:, None]
+            if bool(rollout.truncated.all()):
+                warnings.warn(
+                    "every completion of this batch hit max_new_tokens and mask_truncated_completions=True: the "
+                    "batch gives no policy gradient; raise max_new_tokens or turn the masking off",
+                    stacklevel=2,
+                )
+        out_metrics = _rollout_metrics(rollout, rewards, advantages, group_size, reward_components or {})
+        old_logprobs, token_weights = rollout.logprobs, None
+        if self.mode == "sparse_rl":
+            old_logprobs = self._score(self.policy, rollout, shadow=False)  # [B, N] dense pi_old
+            correction = sparse_rl_correction(old_logprobs, rollout.logprobs, loss_mask, self.sparse_rl)
+            loss_mask, token_weights = correction.mask, correction.weights
+            for name in (
+                "rejected_sequence_fraction",
+                "masked_token_fraction",
+                "weight_mean",
+                "weight_min",
+                "weight_max",
+            ):
+                out_metrics[f"sparse_rl/{name}"] = float(getattr(correction, name))
+        ref_logprobs = None
+        if self.reference is not None:
+            ref_logprobs = self._score(self.reference, rollout, shadow=self.uses_shadow_view)  # [B, N]
+        return Experience(
+            rollout=rollout,
+            rewards=rewards,
+            advantages=advantages,
+            loss_mask=loss_mask,
+            old_logprobs=old_logprobs,
+            token_weights=token_weights,
+            ref_logprobs=ref_logprobs,
+            reward_components={k: torch.as_tensor(v).to(self.device) for k, v in (reward_components or {}).items()},
+            max_completion_length=max_completion_length,
+            metrics=out_metrics,
+        )
+
+    # --------------------------------------------------------------------------------------------------- helpers
+
+    def _check_rollout(self, rollout: Rollout) -> None:
+        if self.mode == "smd" and rollout.shadow_mask is None:
+            raise ValueError(
+                "mode='smd' needs compressed rollouts (Rollout.shadow_mask is None): sample with the module's "
+                "compressor, or use mode='dense' for dense rollouts"
+            )
+        if self.mode == "dense" and rollout.shadow_mask is not None:
+            raise ValueError(
+                "mode='dense' got a compressed rollout (it has a shadow mask); training a dense learner on it "
+                "without correction is mode='naive'"
+            )
+
+    def _token_logprobs(self, model: PreTrainedModel, hidden: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
+        lm_head = model.get_output_embeddings()
+        return token_logprobs_and_entropy(
+            hidden, lm_head.weight, lm_head.bias, ids, temperature=self.temperature, chunk_size=self.logits_chunk_size
+        )
+
+    @torch.no_grad()
+    def _score(self, model: PreTrainedModel, rollout: Rollout, *, shadow: bool) -> Tensor:
+        """No-grad log-probs ``[B, N]`` of the completion tokens, ``scoring_batch_size`` rows at a time."""
+        step = len(rollout) if self.scoring_batch_size is None else self.scoring_batch_size
+        parts = []
+        for start in range(0, len(rollout), step):
+            rows = rollout.select(slice(start, start + step))
+            hidden = completion_hidden_states(model, rows, shadow=shadow)  # [b, N, H]
+            logprobs, _ = self._token_logprobs(model, hidden, rows.completion_ids)
+            parts.append(logprobs.masked_fill(~rows.completion_mask, 0.0))
+        return torch.cat(parts)
+
+
+def _rollout_metrics(
+    rollout: Rollout, rewards: Tensor, advantages: Tensor, group_size: int, components: dict[str, Tensor]
+) -> dict[str, float]:
+    """Reward, advantage, length and KV statistics of one rollout batch."""
+    rewards = rewards.double()
+    grouped = rewards.view(-1, group_size)  # [B / G, G]
+    lengths = rollout.completion_lengths.double()  # [B]
+    metrics = {
+        "rollout/reward_mean": rewards.mean(),
+        "rollout/reward_std": rewards.std() if rewards.numel() > 1 else rewards.new_zeros(()),
+        "rollout/advantage_mean": advantages.double().mean(),
+        "rollout/advantage_std": advantages.double().std() if advantages.numel() > 1 else rewards.new_zeros(()),
+        "rollout/advantage_abs_max": advantages.double().abs().max(),
+        "rollout/zero_std_group_fraction": (grouped.amax(dim=1) == grouped.amin(dim=1)).double().mean(),
+        "rollout/completion_length_mean": lengths.mean(),
+        "rollout/completion_length_max": lengths.max(),
+        "rollout/truncated_fraction": rollout.truncated.double().mean(),
+    }
+    for name, values in components.items():
+        metrics[f"rollout/reward/{name}"] = torch.as_tensor(values).double().mean()
+    if rollout.shadow_mask is not None:
+        metrics["kv/visible_fraction"] = rollout.shadow_mask.visible_fraction(
+            rollout.prompt_lengths, rollout.completion_mask
+        )
+    return {key: float(value) for key, value in metrics.items()}
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
+
+
+def _freeze(model: PreTrainedModel) -> PreTrainedModel:
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _disable_dropout(model: torch.nn.Module) -> None:
+    """Zero ``nn.Dropout`` probabilities and the float ``attention_dropout`` of Hugging Face attention modules."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        if isinstance(getattr(module, "attention_dropout", None), float):
+            module.attention_dropout = 0.0
+
+
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _check_init_args(
+    mode: str,
+    compressor: object,
+    temperature: float,
+    beta: float,
+    kl_coef: float,
+    kl_stop_gradient: str,
+    logits_chunk_size: int,
+    scoring_batch_size: int | None,
+) -> None:
+    modes = ("dense", "naive", "sparse_rl", "smd")
+    if mode not in modes:
+        raise ValueError(f"mode must be one of {modes}, got {mode!r}")
+    if mode == "dense" and compressor is not None:
+        raise ValueError(
+            f"mode='dense' samples without KV compression, but a compressor was given ({compressor!r}); drop it, "
+            "or pick mode='naive', 'sparse_rl' or 'smd'"
+        )
+    if mode != "dense" and compressor is None:
+        raise ValueError(f"mode={mode!r} samples with a compressed KV cache: pass a compressor (e.g. SnapKV(0.5))")
+    if compressor is not None and not isinstance(compressor, Compressor):
+        raise ValueError(f"compressor must be a lit_smd.kv compressor, got {compressor!r}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    if not beta >= 0:
+        raise ValueError(f"beta must be >= 0, got {beta}")
+    if not kl_coef >= 0:
+        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    if kl_stop_gradient not in ("dense", "masked"):
+        raise ValueError(f"kl_stop_gradient must be 'dense' or 'masked', got {kl_stop_gradient!r}")
+    if logits_chunk_size < 1:
+        raise ValueError(f"logits_chunk_size must be >= 1, got {logits_chunk_size}")
+    if scoring_batch_size is not None and scoring_batch_size < 1:
+        raise ValueError(f"scoring_batch_size must be >= 1 or None, got {scoring_batch_size}")

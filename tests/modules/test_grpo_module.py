@@ -1,0 +1,351 @@
+"""GRPOModule: every mode trains, the reference stays frozen, SMD replays the rollout exactly, its KL term is exact."""
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch.utils.data import DataLoader
+
+from lit_smd.datamodules.rollout import Experience, RolloutDataModule
+from lit_smd.kv import RecentWindow, SnapKV
+from lit_smd.losses.logprobs import token_logprobs_and_entropy
+from lit_smd.models import save_tiny_checkpoint
+from lit_smd.modules.grpo import GRPOModule
+from lit_smd.rollout import Rollout, completion_hidden_states, generate
+from lit_smd.tasks import key_value_retrieval
+
+MODES = ("dense", "naive", "sparse_rl", "smd")
+
+
+def digit_share(prompts, completions, **kwargs):
+    """A dense reward (share of digits), so groups have non-zero variance on a random model."""
+    return [sum(ch.isdigit() for ch in text) / max(len(text), 1) for text in completions]
+
+
+def adamw(params):
+    return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
+
+
+def make_trainer(**kwargs) -> L.Trainer:
+    defaults = dict(
+        max_steps=2,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        accelerator="cpu",
+        enable_model_summary=False,
+    )
+    return L.Trainer(**{**defaults, **kwargs})
+
+
+def compressor_for(mode: str):
+    return None if mode == "dense" else RecentWindow(12, sinks=2)
+
+
+def sample(model, tokenizer, compressor, *, num_prompts=2, group=4, max_new_tokens=6, seed=0) -> Rollout:
+    prompts = list(key_value_retrieval(num_prompts, num_pairs=3, seed=seed)["prompt"])
+    encoded = tokenizer(prompts, padding=True, return_tensors="pt")
+    return generate(
+        model,
+        encoded["input_ids"],
+        encoded["attention_mask"],
+        compressor=compressor,
+        max_new_tokens=max_new_tokens,
+        num_samples=group,
+        eos_token_id=tokenizer.eos_token_id,
+        pad_token_id=tokenizer.pad_token_id,
+        generator=torch.Generator().manual_seed(seed),
+    )
+
+
+def loader(*experiences: Experience) -> DataLoader:
+    """Experiences from any source as a dataloader (``batch_size=None``: each item is already a batch)."""
+    return DataLoader(list(experiences), batch_size=None)
+
+
+def parameters_of(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def same(before, model) -> bool:
+    return all(torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_each_mode_trains_and_keeps_the_reference_frozen(mode, tiny_model_factory, tokenizer, tmp_path):
+    policy = tiny_model_factory(initializer_range=0.35)
+    module = GRPOModule(policy, mode=mode, compressor=compressor_for(mode), beta=0.05, optimizer=adamw)
+    data = RolloutDataModule(
+        key_value_retrieval(8, num_pairs=3),
+        tokenizer,
+        [digit_share],
+        prompts_per_step=2,
+        num_generations=4,
+        max_new_tokens=6,
+        use_chat_template=False,
+    )
+    before = parameters_of(policy)
+    trainer = make_trainer(logger=TensorBoardLogger(tmp_path, name="grpo", default_hp_metric=False))
+    trainer.fit(module, data)
+
+    assert not same(before, policy), "the policy did not change"
+    assert module.reference is not None and same(before, module.reference), "the reference moved"
+    assert not any(p.requires_grad for p in module.reference.parameters())
+    logged = trainer.callback_metrics
+    expected = {
+        "train/loss",
+        "train/policy_loss",
+        "train/kl_ref",
+        "train/entropy",
+        "train/clip_fraction",
+        "train/clip_low_fraction",
+        "train/clip_high_fraction",
+        "mismatch/logprob_abs_diff_mean",
+        "mismatch/logprob_abs_diff_max",
+        "mismatch/k3_kl",
+        "rollout/reward_mean",
+        "rollout/reward_std",
+        "rollout/reward/digit_share",
+        "rollout/advantage_mean",
+        "rollout/advantage_std",
+        "rollout/advantage_abs_max",
+        "rollout/zero_std_group_fraction",
+        "rollout/completion_length_mean",
+        "rollout/completion_length_max",
+        "rollout/truncated_fraction",
+        "time/rollout_s",
+        "time/learner_s",
+    }
+    expected |= {"kv/visible_fraction"} if mode != "dense" else set()
+    expected |= {"smd/kl"} if mode == "smd" else set()
+    expected |= (
+        {"sparse_rl/rejected_sequence_fraction", "sparse_rl/masked_token_fraction", "sparse_rl/weight_mean"}
+        if mode == "sparse_rl"
+        else set()
+    )
+    assert expected <= set(logged), sorted(expected - set(logged))
+    assert all(torch.isfinite(torch.as_tensor(v)) for v in logged.values())
+    assert list((tmp_path / "grpo").rglob("events.out.tfevents.*")), "no TensorBoard event file"
+
+
+def test_smd_replays_the_rollout_while_naive_does_not(peaky_model_factory, tokenizer):
+    """Same compressed rollouts: SMD's first-pass ratio is 1 and mismatch ~0; the dense (naive) view is far off."""
+    policy = peaky_model_factory()
+    rollout = sample(policy, tokenizer, RecentWindow(10, sinks=2), max_new_tokens=8)
+    rewards = torch.arange(len(rollout), dtype=torch.float64)
+    metrics = {}
+    for mode in ("smd", "naive"):
+        module = GRPOModule(copy.deepcopy(policy), mode=mode, compressor=RecentWindow(10, sinks=2), optimizer=adamw)
+        experience = module.make_experience(rollout, rewards, group_size=4)
+        trainer = make_trainer(max_steps=1)
+        trainer.fit(module, train_dataloaders=loader(experience))
+        metrics[mode] = {k: float(v) for k, v in trainer.callback_metrics.items()}
+
+    smd, naive = metrics["smd"], metrics["naive"]
+    assert abs(smd["train/ratio_min"] - 1) < 1e-10 and abs(smd["train/ratio_max"] - 1) < 1e-10
+    assert smd["mismatch/logprob_abs_diff_max"] < 1e-10
+    assert abs(smd["mismatch/k3_kl"]) < 1e-12
+    assert naive["mismatch/logprob_abs_diff_mean"] > 0.1
+    assert naive["mismatch/k3_kl"] > 0.01
+    assert naive["train/ratio_max"] - naive["train/ratio_min"] > 0.5
+
+
+@pytest.mark.parametrize("stop_gradient", ["dense", "masked"])
+def test_smd_kl_matches_a_full_logits_reference(peaky_model_factory, tokenizer, stop_gradient):
+    policy = peaky_model_factory()
+    rollout = sample(policy, tokenizer, RecentWindow(10, sinks=2), num_prompts=1, group=3, max_new_tokens=5)
+    module = GRPOModule(
+        policy,
+        mode="smd",
+        compressor=RecentWindow(10, sinks=2),
+        kl_stop_gradient=stop_gradient,
+        temperature=0.7,
+        logits_chunk_size=4,
+    )
+    mask = rollout.completion_mask.clone()
+    mask[0, -1] = False
+
+    kl = module.smd_kl(rollout, mask)
+    kl.loss.backward()
+    chunked_grads = [p.grad.clone() for p in policy.parameters()]
+    policy.zero_grad()
+
+    lm_head = policy.get_output_embeddings()
+    masked = lm_head(completion_hidden_states(policy, rollout, shadow=True)) / 0.7  # [B, N, V]
+    dense = lm_head(completion_hidden_states(policy, rollout, shadow=False)) / 0.7  # [B, N, V]
+    if stop_gradient == "dense":  # KL(sg[dense] || masked)
+        teacher, student = dense.detach().log_softmax(-1), masked.log_softmax(-1)
+    else:  # KL(dense || sg[masked])
+        teacher, student = masked.detach().log_softmax(-1), dense.log_softmax(-1)
+    per_token = (
+        (teacher.exp() * (teacher - student)).sum(-1)
+        if stop_gradient == "dense"
+        else (student.exp() * (student - teacher)).sum(-1)
+    )
+    reference = per_token[mask].mean()
+    reference.backward()
+
+    value = kl.forward_kl if stop_gradient == "dense" else kl.reverse_kl
+    torch.testing.assert_close(kl.loss.detach(), reference.detach(), rtol=1e-10, atol=1e-12)
+    torch.testing.assert_close(value, reference.detach(), rtol=1e-10, atol=1e-12)
+    for chunked, param in zip(chunked_grads, policy.parameters(), strict=True):
+        torch.testing.assert_close(chunked, param.grad, rtol=1e-8, atol=1e-10)
+
+
+def test_chunked_token_logprobs_match_full_log_softmax(peaky_model_factory):
+    torch.manual_seed(0)
+    hidden = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
+    weight = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)
+    ids = torch.randint(0, 11, (2, 5))
+    logprobs, entropy = token_logprobs_and_entropy(hidden, weight, None, ids, temperature=0.5, chunk_size=3)
+    full = (hidden @ weight.T / 0.5).log_softmax(-1)
+    expected = full.gather(-1, ids[..., None]).squeeze(-1)
+    torch.testing.assert_close(logprobs, expected)
+    torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1).detach())
+    grads = torch.autograd.grad(logprobs.sum(), (hidden, weight))
+    expected_grads = torch.autograd.grad(expected.sum(), (hidden, weight))
+    for got, want in zip(grads, expected_grads, strict=True):
+        torch.testing.assert_close(got, want)
+
+
+def test_zero_variance_groups_get_zero_advantage(tiny_model_factory, tokenizer):
+    policy = tiny_model_factory()
+    rollout = sample(policy, tokenizer, RecentWindow(12, sinks=2))
+    module = GRPOModule(policy, mode="smd", compressor=RecentWindow(12, sinks=2), optimizer=adamw)
+    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 1.0, 0.0, 1.0])
+    experience = module.make_experience(rollout, rewards, group_size=4)
+    assert torch.equal(experience.advantages[:4], torch.zeros(4))
+    assert experience.advantages[4:].abs().min() > 0
+    assert experience.metrics["rollout/zero_std_group_fraction"] == 0.5
+
+    constant = module.make_experience(rollout, torch.full((8,), 0.3), group_size=4)
+    assert torch.equal(constant.advantages, torch.zeros(8))
+    trainer = make_trainer(max_steps=1)
+    trainer.fit(module, train_dataloaders=loader(constant))
+    assert float(trainer.callback_metrics["train/policy_loss"]) == 0.0
+    assert torch.isfinite(trainer.callback_metrics["train/loss"])
+
+
+@pytest.mark.parametrize("mode", ["sparse_rl", "smd"])
+def test_trains_on_rollouts_loaded_from_disk(mode, tiny_model_factory, tokenizer, tmp_path):
+    sampler = tiny_model_factory(initializer_range=0.35)
+    sample(sampler, tokenizer, RecentWindow(12, sinks=2)).save(tmp_path / "rollout.pt")
+
+    policy = tiny_model_factory(initializer_range=0.35)
+    module = GRPOModule(policy, mode=mode, compressor=RecentWindow(12, sinks=2), optimizer=adamw)
+    rollout = Rollout.load(tmp_path / "rollout.pt")
+    experience = module.make_experience(rollout, torch.tensor([0.0, 1, 2, 3, 3, 2, 1, 0]), group_size=4)
+    before = parameters_of(policy)
+    make_trainer(max_steps=1).fit(module, train_dataloaders=loader(experience))
+    assert not same(before, policy)
+
+
+def test_sparse_rl_precomputes_the_correction_over_the_whole_batch(peaky_model_factory, tokenizer):
+    policy = peaky_model_factory()
+    rollout = sample(policy, tokenizer, RecentWindow(10, sinks=2), max_new_tokens=8)
+    module = GRPOModule(policy, mode="sparse_rl", compressor=RecentWindow(10, sinks=2))
+    experience = module.make_experience(rollout, torch.arange(8.0), group_size=4)
+    dense = module._score(policy, rollout, shadow=False)
+    torch.testing.assert_close(experience.old_logprobs, dense)
+    rows = GRPOModule(policy, mode="sparse_rl", compressor=RecentWindow(10, sinks=2), scoring_batch_size=3)
+    torch.testing.assert_close(rows.make_experience(rollout, torch.arange(8.0), group_size=4).old_logprobs, dense)
+    assert experience.token_weights is not None
+    assert not torch.equal(experience.loss_mask, rollout.completion_mask)  # peaky model: some tokens rejected
+    assert experience.metrics["sparse_rl/masked_token_fraction"] > 0
+
+
+def test_mask_truncated_completions_with_every_completion_truncated(tiny_model_factory, tokenizer):
+    policy = tiny_model_factory()
+    rollout = sample(policy, tokenizer, RecentWindow(12, sinks=2), max_new_tokens=2)
+    rollout.finish_reason = ["length"] * len(rollout)
+    module = GRPOModule(policy, mode="smd", compressor=RecentWindow(12, sinks=2), mask_truncated_completions=True)
+    with pytest.warns(UserWarning, match="no policy gradient"):
+        experience = module.make_experience(rollout, torch.arange(8.0), group_size=4)
+    assert not experience.loss_mask.any()
+    assert experience.metrics["rollout/truncated_fraction"] == 1.0
+    trainer = make_trainer(max_steps=1)
+    trainer.fit(module, train_dataloaders=loader(experience))
+    assert float(trainer.callback_metrics["train/policy_loss"]) == 0.0
+
+
+def test_empty_completions_do_not_break_the_step(tiny_model_factory, tokenizer):
+    policy = tiny_model_factory()
+    rollout = sample(policy, tokenizer, RecentWindow(12, sinks=2))
+    rollout.completion_mask[0] = False  # a completion without tokens (e.g. from another pipeline)
+    rollout.completion_mask[1, 1:] = False  # a one-token (EOS-only) completion
+    rollout.logprobs = rollout.logprobs.masked_fill(~rollout.completion_mask, 0.0)
+    module = GRPOModule(policy, mode="smd", compressor=RecentWindow(12, sinks=2), optimizer=adamw)
+    experience = module.make_experience(rollout, torch.arange(8.0), group_size=4)
+    trainer = make_trainer(max_steps=1)
+    trainer.fit(module, train_dataloaders=loader(experience))
+    assert all(torch.isfinite(torch.as_tensor(v)) for v in trainer.callback_metrics.values())
+
+
+def test_mode_and_rollout_checks(tiny_model_factory, tokenizer):
+    policy = tiny_model_factory()
+    with pytest.raises(ValueError, match="mode='dense'.*compressor"):
+        GRPOModule(policy, mode="dense", compressor=SnapKV(0.5))
+    with pytest.raises(ValueError, match="pass a compressor"):
+        GRPOModule(policy, mode="smd")
+    with pytest.raises(ValueError, match="kl_stop_gradient"):
+        GRPOModule(policy, mode="smd", compressor=SnapKV(0.5), kl_stop_gradient="both")
+    dense_rollout = sample(policy, tokenizer, None)
+    smd = GRPOModule(policy, mode="smd", compressor=RecentWindow(12, sinks=2))
+    with pytest.raises(ValueError, match="needs compressed rollouts"):
+        smd.make_experience(dense_rollout, torch.zeros(8), group_size=4)
+    compressed = sample(policy, tokenizer, RecentWindow(12, sinks=2))
+    with pytest.raises(ValueError, match="mode='naive'"):
+        GRPOModule(policy, mode="dense").make_experience(compressed, torch.zeros(8), group_size=4)
+    with pytest.raises(ValueError, match="finite"):
+        smd.make_experience(compressed, torch.tensor([0.0, 1, float("nan"), 0, 0, 0, 0, 0]), group_size=4)
+    with pytest.raises(TypeError, match="Experience"):
+        smd.training_step(compressed, 0)
+
+
+def test_policy_and_reference_from_a_local_directory(tmp_path, tokenizer):
+    path = str(save_tiny_checkpoint(tmp_path / "tiny", tokenizer=tokenizer))
+    module = GRPOModule(path, mode="dense", beta=0.1, model_dtype="float32")
+    assert module.policy is None and module.hparams.policy == path
+    module.configure_model()
+    module.configure_model()  # idempotent
+    assert module.policy is not None and module.reference is not None and module.reference is not module.policy
+    assert same(parameters_of(module.policy), module.reference)
+    lazy = GRPOModule(path, mode="dense", beta=0.1)
+    experience = lazy.make_experience(sample(module.policy, tokenizer, None), torch.arange(8.0), group_size=4)
+    assert lazy.reference is not None and experience.ref_logprobs is not None  # loaded on first use
+
+
+def test_constructible_from_yaml_by_lightning_cli(tmp_path, tokenizer, monkeypatch):
+    from lightning.pytorch.cli import LightningCLI
+
+    monkeypatch.setattr("sys.argv", ["lit-smd"])
+
+    path = str(save_tiny_checkpoint(tmp_path / "tiny", tokenizer=tokenizer))
+    config = {
+        "model": {
+            "policy": path,
+            "mode": "smd",
+            "compressor": {"class_path": "lit_smd.kv.RecentWindow", "init_args": {"budget": 0.5, "sinks": 2}},
+            "sparse_rl": {"lower": 0.4},
+            "optimizer": {"class_path": "torch.optim.AdamW", "init_args": {"lr": 1e-5}},
+        },
+        "data": {
+            "dataset": "key_value_retrieval",
+            "dataset_kwargs": {"size": 8, "num_pairs": 3},
+            "tokenizer": path,
+            "reward_funcs": ["lit_smd.rewards.math_answer_reward"],
+            "prompts_per_step": 2,
+            "num_generations": 2,
+        },
+        "trainer": {"accelerator": "cpu", "logger": False, "enable_checkpointing": False},
+        "seed_everything": 0,
+    }
+    cli = LightningCLI(GRPOModule, RolloutDataModule, run=False, args=config, save_config_callback=None)
+    assert isinstance(cli.model.compressor, RecentWindow) and cli.model.compressor.sinks == 2
+    assert cli.model.sparse_rl.lower == 0.4
+    optimizer = cli.model.optimizer_factory([torch.nn.Parameter(torch.zeros(1))])
+    assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["lr"] == 1e-5
+    assert cli.datamodule.num_generations == 2
+    assert isinstance(Experience, type)
