@@ -1,1 +1,33 @@
+"""Loss math as plain PyTorch functions (no Lightning): GRPO, Sparse-RL, token-level KL, chunked log-probs."""
 
+from lit_smd.losses.grpo import (
+    MismatchStats,
+    PolicyLossOutput,
+    group_advantages,
+    k3_kl,
+    masked_mean,
+    mismatch_stats,
+    policy_loss,
+)
+from lit_smd.losses.kl import KLOutput, chunked_token_kl, sampled_reverse_kl, token_kl, topk_token_kl
+from lit_smd.losses.logprobs import token_logprobs_and_entropy
+from lit_smd.losses.sparse_rl import SparseRLConfig, SparseRLCorrection, sparse_rl_correction
+
+__all__ = [
+    "KLOutput",
+    "MismatchStats",
+    "PolicyLossOutput",
+    "SparseRLConfig",
+    "SparseRLCorrection",
+    "chunked_token_kl",
+    "group_advantages",
+    "k3_kl",
+    "masked_mean",
+    "mismatch_stats",
+    "policy_loss",
+    "sampled_reverse_kl",
+    "sparse_rl_correction",
+    "token_kl",
+    "token_logprobs_and_entropy",
+    "topk_token_kl",
+]
