@@ -342,7 +342,7 @@ class GRPOModule(LightningModule):
         if self.disable_dropout:
             _disable_dropout(self.policy)
         if self.gradient_checkpointing:
-            self.policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            self.policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
 
     def on_fit_start(self) -> None:
         # from_pretrained returns eval-mode models and Lightning keeps the mode it finds; the learner trains in train
