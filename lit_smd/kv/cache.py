@@ -120,10 +120,10 @@ class DecodeState:
 
 def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
     """Causal visibility by logical position, pads excluded: ``[B, Q, K]`` bool."""
-    diff = q_pos[:, :, None] - k_pos[:, None, :]  # [B, Q, K]
-    visible = (k_pos[:, None, :] >= 0) & (q_pos[:, :, None] >= 0) & (diff >= 0)
+    query, key = q_pos[:, :, None], k_pos[:, None, :]  # broadcast to [B, Q, K] as bools only
+    visible = (key >= 0) & (query >= 0) & (key <= query)
     if sliding_window is not None:
-        visible &= diff < sliding_window
+        visible &= key > query - sliding_window
     return visible
 
 
@@ -189,12 +189,15 @@ class BudgetedLayer(CacheLayerMixin):
         cache = self.cache
         width = key.shape[2]
         positions = cache.prompt_positions  # [B, P] logical, -1 for pads
-        columns = torch.arange(width, device=key.device)
-        visible = _visible(positions, positions, sliding_window)
-        visible |= (columns[:, None] == columns[None, :]) & (positions < 0)[:, :, None]  # pad rows: themselves
-        out = F.scaled_dot_product_attention(
-            query, key, value, attn_mask=visible[:, None], scale=scaling, enable_gqa=True
-        )  # [B, Hq, P, D]
+        if sliding_window is None and bool((positions >= 0).all()):  # no pads, no window: plain causal, no mask
+            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
+        else:
+            columns = torch.arange(width, device=key.device)
+            visible = _visible(positions, positions, sliding_window)
+            visible |= (columns[:, None] == columns[None, :]) & (positions < 0)[:, :, None]  # pad rows: themselves
+            out = F.scaled_dot_product_attention(
+                query, key, value, attn_mask=visible[:, None], scale=scaling, enable_gqa=True
+            )  # [B, Hq, P, D]
         self._select_prompt(key, value, query, scaling, sliding_window)
         self.seen = width
         return out.transpose(1, 2).contiguous()
