@@ -1,0 +1,71 @@
+"""Smoke test of the benchmark scripts: each runs end to end at its smallest sizes (`run_all.QUICK_ARGS`).
+
+The figures are meaningless at these sizes; the point is that the scripts keep running against the package and write
+well-formed JSON. Each benchmark's ``main(argv)`` runs in this process (one import of torch and transformers).
+"""
+
+import importlib
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+
+
+@pytest.fixture(scope="module")
+def run_all():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        yield importlib.import_module("run_all")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+
+
+@pytest.fixture(autouse=True)
+def _restore_threads():
+    threads = torch.get_num_threads()
+    yield
+    torch.set_num_threads(threads)
+
+
+def _run(run_all, part: str, tmp_path: Path) -> dict:
+    module = importlib.import_module(Path(run_all.PARTS[part]).stem)
+    out = tmp_path / f"{part}.json"
+    module.main(["--device", "cpu", "--json", str(out), "--markdown", str(tmp_path / f"{part}.md"),
+                 *run_all.QUICK_ARGS[part]])
+    assert (tmp_path / f"{part}.md").read_text().startswith("# ")
+    payload = json.loads(out.read_text())
+    assert payload["environment"]["device"] == "cpu"
+    assert payload["results"]
+    return payload
+
+
+def test_parity_benchmark(run_all, tmp_path):
+    results = {r["compressor"]: r for r in _run(run_all, "parity", tmp_path)["results"]}
+    assert results["prefill_then_decode"]["shadow_max"] < 1e-10 < results["prefill_then_decode"]["dense_max"]
+
+
+def test_rollout_memory_benchmark(run_all, tmp_path):
+    results = {r["variant"]: r for r in _run(run_all, "memory", tmp_path)["results"]}
+    compressed = results["recent@0.5"]
+    assert compressed["kv_bytes"] / results["dense"]["kv_bytes"] == pytest.approx(0.5, abs=0.05)
+    assert not compressed["buffers_moved"] and compressed["kv_bytes_constant"]
+
+
+def test_rollout_speed_benchmark(run_all, tmp_path):
+    variants = {r["variant"] for r in _run(run_all, "speed", tmp_path)["results"]}
+    assert variants == {"hf_generate", "dense", "recent@0.5"}
+
+
+def test_masked_attention_benchmark(run_all, tmp_path):
+    (result,) = _run(run_all, "masked_attention", tmp_path)["results"]
+    assert set(result["variants"]) == {"plain_sdpa", "shadow_sdpa"}
+    assert all("median_s" in phase for entry in result["variants"].values() for phase in entry.values())
+
+
+def test_quick_args_cover_every_part(run_all):
+    assert set(run_all.QUICK_ARGS) == set(run_all.PARTS)
+    assert all((BENCHMARKS / script).is_file() for script in run_all.PARTS.values())
