@@ -4,25 +4,34 @@
     lit-smd fit --config configs/grpo/quickstart_cpu.yaml --print_config
     lit-smd fit --config <run dir>/config.yaml --ckpt_path <run dir>/checkpoints/last.ckpt
     lit-smd validate --config ... --ckpt_path ...
+    lit-smd cache-teacher --config configs/distill/cache-teacher.yaml
 
 Models and DataModules are chosen by ``class_path`` in the config (subclass mode), so any LightningModule or
 LightningDataModule importable from Python works, ours or a user's. The resolved config (seed included) is saved
 next to the TensorBoard logs of every run.
+
+Besides Lightning's subcommands, ``cache-teacher`` builds an offline teacher-logit cache
+(`lit_smd.datamodules.build_teacher_cache`; its arguments are that function's, ``--help`` lists them).
 """
 
 from __future__ import annotations
 
+import sys
+
+from jsonargparse import ActionConfigFile, ArgumentParser
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
-__all__ = ["LitSmdCLI", "main"]
+from lit_smd.datamodules.teacher_cache import CacheMetadata, build_teacher_cache
+
+__all__ = ["LitSmdCLI", "cache_teacher", "main"]
 
 
 class LitSmdCLI(LightningCLI):
     """LightningCLI with lit_smd's defaults: subclass mode for model and data, config saved with overwrite."""
 
 
-def main(args: ArgsType = None, run: bool = True) -> LitSmdCLI:
+def main(args: ArgsType = None, run: bool = True) -> LitSmdCLI | CacheMetadata:
     """Entry point of ``lit-smd``.
 
     Args:
@@ -30,8 +39,12 @@ def main(args: ArgsType = None, run: bool = True) -> LitSmdCLI:
         run: Run the subcommand; with False only parse and instantiate (as tests do).
 
     Returns:
-        The CLI object (``cli.model``, ``cli.datamodule``, ``cli.trainer``).
+        The CLI object (``cli.model``, ``cli.datamodule``, ``cli.trainer``); for ``cache-teacher``, the cache's
+        metadata.
     """
+    argv = sys.argv[1:] if args is None else args
+    if isinstance(argv, list) and argv[:1] == ["cache-teacher"]:
+        return cache_teacher(argv[1:])
     return LitSmdCLI(
         LightningModule,
         LightningDataModule,
@@ -41,3 +54,18 @@ def main(args: ArgsType = None, run: bool = True) -> LitSmdCLI:
         args=args,
         run=run,
     )
+
+
+def cache_teacher(args: list[str]) -> CacheMetadata:
+    """``lit-smd cache-teacher``: parse `build_teacher_cache`'s arguments (``--config`` files and flags) and run it."""
+    parser = ArgumentParser(prog="lit-smd cache-teacher", description=build_teacher_cache.__doc__.split("\n")[0])
+    parser.add_argument("--config", action=ActionConfigFile, help="YAML file(s) of the arguments below")
+    parser.add_function_arguments(build_teacher_cache)
+    config = parser.instantiate_classes(parser.parse_args(args))
+    config.pop("config", None)
+    metadata = build_teacher_cache(**config)
+    print(
+        f"teacher cache {config['output_dir']}: {metadata.num_rows} trajectories, {metadata.num_completion_tokens} "
+        f"completion tokens, {metadata.total_bytes / 2**20:.1f} MiB ({metadata.bytes_per_token:.1f} bytes/token)"
+    )
+    return metadata

@@ -1,5 +1,32 @@
-"""LightningDataModules: on-policy rollout experience for GRPO."""
+"""LightningDataModules: on-policy rollout experience for GRPO; prompts and the teacher-logit cache for distillation."""
 
+from lit_smd.datamodules.distill import DistillDataModule, ProbeSource, PromptBatch
 from lit_smd.datamodules.rollout import Experience, ExperienceStream, RolloutDataModule, RolloutLearner
+from lit_smd.datamodules.teacher_cache import (
+    CachedBatch,
+    CacheMetadata,
+    TeacherCacheDataModule,
+    TeacherCacheError,
+    build_teacher_cache,
+    load_teacher_cache,
+    teacher_topk_logprobs,
+    tokenizer_fingerprint,
+)
 
-__all__ = ["Experience", "ExperienceStream", "RolloutDataModule", "RolloutLearner"]
+__all__ = [
+    "CacheMetadata",
+    "CachedBatch",
+    "DistillDataModule",
+    "Experience",
+    "ExperienceStream",
+    "ProbeSource",
+    "PromptBatch",
+    "RolloutDataModule",
+    "RolloutLearner",
+    "TeacherCacheDataModule",
+    "TeacherCacheError",
+    "build_teacher_cache",
+    "load_teacher_cache",
+    "teacher_topk_logprobs",
+    "tokenizer_fingerprint",
+]

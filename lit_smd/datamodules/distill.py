@@ -1,0 +1,209 @@
+"""Prompts for distillation with online prefixes: `PromptBatch`es for `lit_smd.modules.DistillModule` to complete.
+
+The distillation module generates the prefixes itself (the teacher, or the student on-policy, with
+`lit_smd.rollout.generate`), so the data side only tokenizes and left-pads prompts. The same prompts, in the same
+order and with the same template, feed `lit_smd.datamodules.build_teacher_cache`, so a cached run and an online run
+see the same data.
+
+A held-out probe set (``num_probe_prompts``, the *last* prompts of the prepared dataset, never trained on) serves the
+entropy-gated length curriculum (`lit_smd.callbacks.EntropyCurriculum`) through `DistillDataModule.probe_batch`.
+"""
+
+import logging
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, replace
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+from datasets import Dataset
+from lightning.pytorch import LightningDataModule
+from torch import Tensor
+from torch.utils.data import DataLoader
+from transformers import PreTrainedTokenizerBase
+
+from lit_smd.models import load_tokenizer
+from lit_smd.tasks.datasets import TASKS, load_rows, load_task, prepare_prompts
+
+__all__ = ["DistillDataModule", "ProbeSource", "PromptBatch", "left_pad"]
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class PromptBatch:
+    """Left-padded prompts, and what generation needs to stop and pad.
+
+    Attributes:
+        prompt_ids: ``[B, P]`` token ids, left-padded.
+        prompt_mask: ``[B, P]`` bool, True on real prompt tokens.
+        prompt_index: ``[B]`` row of each prompt in the prepared prompt dataset.
+        eos_token_ids: Ids that end a completion (the tokenizer's EOS and the stop tokens).
+        pad_token_id: Id filling completions after EOS.
+    """
+
+    prompt_ids: Tensor
+    prompt_mask: Tensor
+    prompt_index: Tensor
+    eos_token_ids: tuple[int, ...]
+    pad_token_id: int
+
+    def __len__(self) -> int:
+        return self.prompt_ids.shape[0]
+
+    def to(self, device: torch.device | str) -> "PromptBatch":
+        return replace(
+            self,
+            prompt_ids=self.prompt_ids.to(device),
+            prompt_mask=self.prompt_mask.to(device),
+            prompt_index=self.prompt_index.to(device),
+        )
+
+
+@runtime_checkable
+class ProbeSource(Protocol):
+    """What `lit_smd.callbacks.EntropyCurriculum` asks of the DataModule: the held-out probe prompts."""
+
+    def probe_batch(self) -> PromptBatch: ...
+
+
+def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Tensor, Tensor]:
+    """Left-pad token sequences: ``(ids [B, P], mask [B, P] bool)``, ``P`` the longest length."""
+    width = max(len(ids) for ids in sequences)
+    ids = torch.full((len(sequences), width), pad_token_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width), dtype=torch.bool)
+    for row, seq in enumerate(sequences):
+        if len(seq):
+            ids[row, width - len(seq) :] = torch.tensor(seq, dtype=torch.long)
+            mask[row, width - len(seq) :] = True
+    return ids, mask
+
+
+class DistillDataModule(LightningDataModule):
+    """Prompt batches for online distillation (the module generates teacher or student prefixes).
+
+    Prompts go through the tokenizer's chat template (when it has one and ``use_chat_template``), prompts longer than
+    ``max_prompt_tokens`` and empty ones are dropped (counts logged), and the last ``num_probe_prompts`` prompts are
+    held out as the curriculum's probe set.
+
+    Args:
+        dataset: The prompt rows: a `datasets.Dataset` with a ``prompt`` column, the name of a `lit_smd.tasks.TASKS`
+            entry built with ``dataset_kwargs``, or a hub id / local data file (`lit_smd.tasks.load_rows`).
+        tokenizer: The student's tokenizer (shared with the teacher), or its hub id / local directory.
+        dataset_kwargs: Arguments of the task builder or of `lit_smd.tasks.load_rows` for a named dataset.
+        batch_size: Prompts per training batch.
+        max_prompt_tokens: Drop longer prompts; None keeps all.
+        use_chat_template: Wrap prompts in the tokenizer's chat template when it has one.
+        system_prompt: System message before each prompt (chat template only).
+        stop_tokens: Extra tokens that end a completion (e.g. ``["<|im_end|>"]``), besides the tokenizer's EOS.
+        num_probe_prompts: Prompts held out for the entropy probe (0: no probe set).
+        shuffle: Shuffle the training prompts every epoch (seeded).
+        seed: Seed of the shuffling.
+    """
+
+    def __init__(
+        self,
+        dataset: str | Dataset,
+        tokenizer: str | PreTrainedTokenizerBase,
+        dataset_kwargs: dict[str, Any] | None = None,
+        batch_size: int = 8,
+        max_prompt_tokens: int | None = None,
+        use_chat_template: bool = True,
+        system_prompt: str | None = None,
+        stop_tokens: list[str] | None = None,
+        num_probe_prompts: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if num_probe_prompts < 0:
+            raise ValueError(f"num_probe_prompts must be >= 0, got {num_probe_prompts}")
+        if not isinstance(dataset, (str, Dataset)):
+            raise ValueError(f"dataset must be a datasets.Dataset or a task name, got {type(dataset).__name__}")
+        given = (("dataset", dataset), ("tokenizer", tokenizer))
+        self.save_hyperparameters(ignore=[name for name, value in given if not isinstance(value, str)])
+        self.dataset = dataset
+        self.dataset_kwargs = dict(dataset_kwargs or {})
+        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.batch_size = batch_size
+        self.max_prompt_tokens = max_prompt_tokens
+        self.use_chat_template = use_chat_template
+        self.system_prompt = system_prompt
+        self.num_probe_prompts = num_probe_prompts
+        self.shuffle = shuffle
+        self.seed = seed
+        eos_ids = {self.tokenizer.eos_token_id, *map(self._token_id, stop_tokens or [])}
+        self.eos_token_ids = tuple(sorted(i for i in eos_ids if i is not None))
+        self.pad_token_id: int = self.tokenizer.pad_token_id
+        self.prompts: Dataset | None = None
+        self.prompt_ids: list[list[int]] = []
+
+    def _token_id(self, token: str) -> int:
+        token_id = self.tokenizer.convert_tokens_to_ids(token)
+        if token_id is None or (token_id == self.tokenizer.unk_token_id and token != self.tokenizer.unk_token):
+            raise ValueError(f"stop_tokens: {token!r} is not a single token of the tokenizer")
+        return token_id
+
+    @property
+    def num_train_prompts(self) -> int:
+        """Prompts trained on (all prepared prompts minus the probe set)."""
+        return len(self.prompt_ids) - self.num_probe_prompts
+
+    def setup(self, stage: str | None = None) -> None:
+        """Build, template, filter and tokenize the prompts (idempotent)."""
+        if self.prompts is not None:
+            return
+        if isinstance(self.dataset, str):
+            loader = load_task if self.dataset in TASKS else load_rows
+            raw = loader(self.dataset, **self.dataset_kwargs)
+        else:
+            raw = self.dataset
+        if "prompt" not in raw.column_names:
+            raise ValueError(f"the prompt dataset needs a 'prompt' column, got columns {raw.column_names}")
+        templated = self.use_chat_template and getattr(self.tokenizer, "chat_template", None) is not None
+        prepared, too_long = prepare_prompts(
+            raw, self.tokenizer, self.max_prompt_tokens, self.system_prompt, self.use_chat_template
+        )
+        encoded = self.tokenizer(list(prepared["prompt"]), add_special_tokens=not templated)["input_ids"]
+        keep = [index for index, ids in enumerate(encoded) if ids]
+        if too_long or len(keep) < len(encoded):
+            logger.warning("dropped %d over-long and %d empty prompts", too_long, len(encoded) - len(keep))
+        self.prompts = prepared.select(keep) if len(keep) < len(encoded) else prepared
+        self.prompt_ids = [encoded[index] for index in keep]
+        if self.num_train_prompts < 1:
+            raise ValueError(
+                f"{len(self.prompt_ids)} prompts left after filtering cannot hold out num_probe_prompts="
+                f"{self.num_probe_prompts} and still train"
+            )
+
+    def collate(self, indices: Sequence[int]) -> PromptBatch:
+        """The prompts ``indices`` (rows of the prepared dataset) as one left-padded batch."""
+        ids, mask = left_pad([self.prompt_ids[i] for i in indices], self.pad_token_id)
+        return PromptBatch(ids, mask, torch.as_tensor(list(indices), dtype=torch.long), self.eos_token_ids,
+                           self.pad_token_id)
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup()
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            range(self.num_train_prompts),
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            generator=generator if self.shuffle else None,
+            collate_fn=self.collate,
+        )
+
+    def probe_batch(self) -> PromptBatch:
+        """The held-out probe prompts (the last ``num_probe_prompts``), for the curriculum's entropy probe."""
+        self.setup()
+        if self.num_probe_prompts == 0:
+            raise ValueError("the entropy probe needs held-out prompts: set num_probe_prompts >= 1")
+        return self.collate(range(self.num_train_prompts, len(self.prompt_ids)))
+
+    def prompt_batches(self, batch_size: int | None = None) -> Iterator[PromptBatch]:
+        """Every prepared prompt (probe set included) in order, ``batch_size`` at a time (for the teacher cache)."""
+        self.setup()
+        step = batch_size or self.batch_size
+        for start in range(0, len(self.prompt_ids), step):
+            yield self.collate(range(start, min(start + step, len(self.prompt_ids))))

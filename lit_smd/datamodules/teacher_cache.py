@@ -1,0 +1,657 @@
+"""Offline teacher-logit cache: teacher trajectories and their top-k teacher log-probs, built once, trained on offline.
+
+Algorithm
+    `build_teacher_cache` runs the teacher over a prompt set (`lit_smd.datamodules.DistillDataModule`, the same
+    prompts an online run uses): it samples ``num_samples`` trajectories per prompt (`lit_smd.rollout.generate`, dense)
+    and re-scores them teacher-forced, keeping at every completion position the ``top_k`` largest log-probs of the
+    temperature-scaled full-vocabulary distribution, sorted descending. `TeacherCacheDataModule` loads the result and
+    yields `CachedBatch`es: the teacher-prefix cells of `lit_smd.modules.DistillModule` with ``estimator="topk"`` then
+    need no teacher forward at all (the tail of the distribution is handled by the loss, see
+    `lit_smd.losses.kl.topk_token_kl`).
+
+Format (a `datasets` Arrow dataset written with ``save_to_disk``, plus ``metadata.json``)
+    One row per trajectory: ``prompt_index``, ``sample_index`` (int32), ``prompt_ids``, ``completion_ids`` (int32
+    lists), ``completion_logprobs`` (float16 list: the teacher's log-prob of each sampled token), ``topk_ids`` (int32,
+    ``k`` per token, flattened), ``topk_logprobs`` (float16, flattened) and ``finish_reason`` (``"eos"`` /
+    ``"length"``). About ``6 k + 6`` bytes per completion token plus the prompt (390 B at k = 64, against 304 KB for a
+    full bfloat16 distribution over Qwen3's 151,936 ids). ``metadata.json`` (`CacheMetadata`) records the teacher and
+    its revision, the tokenizer fingerprint, vocabulary size, k, temperature, the generation settings, the prompt
+    DataModule's settings, token counts, and the size and SHA-256 of every file.
+
+Safety
+    - A cache is built in a temporary sibling folder and moved into place only when complete, so an interrupted or
+      failed build leaves nothing behind and never touches an existing cache; replacing one needs ``overwrite=True``
+      (and only a lit_smd cache or an empty folder is ever replaced).
+    - Loading checks everything before training: metadata format, file sizes (truncation), checksums (corruption),
+      row and token counts, the tokenizer fingerprint against the student's tokenizer; the module then checks the
+      vocabulary size, k and temperature (`lit_smd.modules.DistillModule.check_cache`). Loading never writes.
+
+Departures
+    - Log-probs are stored in float16, not bfloat16: over the range of log-probs (``[-65504, 0]``) float16 keeps 3 more
+      mantissa bits (a log-prob near -20 is off by at most 0.008). DistillKit's polynomial tail compression is not
+      implemented: plain top-k only.
+    - The build writes the Arrow data twice (a streamed staging file, then ``save_to_disk``): twice the cache size of
+      free disk is needed while building.
+"""
+
+import hashlib
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import shutil
+import uuid
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field, fields, replace
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+import torch
+import torch.nn.functional as F
+import transformers
+from datasets import Dataset, Features, List, Value, load_from_disk
+from datasets.arrow_writer import ArrowWriter
+from lightning.pytorch import LightningDataModule
+from torch import Tensor
+from torch.utils.data import DataLoader
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from lit_smd.datamodules.distill import DistillDataModule, PromptBatch, left_pad
+from lit_smd.models import Quantization, load_causal_lm, load_tokenizer
+from lit_smd.rollout import Rollout, completion_hidden_states, generate
+
+__all__ = [
+    "CacheMetadata",
+    "CachedBatch",
+    "TeacherCacheDataModule",
+    "TeacherCacheError",
+    "build_teacher_cache",
+    "load_teacher_cache",
+    "teacher_topk_logprobs",
+    "tokenizer_fingerprint",
+]
+
+logger = logging.getLogger(__name__)
+
+FORMAT = "lit_smd.teacher_cache"
+VERSION = 1
+METADATA_FILE = "metadata.json"
+FEATURES = Features(
+    {
+        "prompt_index": Value("int32"),
+        "sample_index": Value("int32"),
+        "prompt_ids": List(Value("int32")),
+        "completion_ids": List(Value("int32")),
+        "completion_logprobs": List(Value("float16")),
+        "topk_ids": List(Value("int32")),
+        "topk_logprobs": List(Value("float16")),
+        "finish_reason": Value("string"),
+    }
+)
+ModelDType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
+
+
+class TeacherCacheError(ValueError):
+    """A teacher cache that is missing, incomplete, corrupt, or does not match the student / tokenizer / settings."""
+
+
+@dataclass(frozen=True)
+class CacheMetadata:
+    """What a teacher cache holds and how it was made (``metadata.json``).
+
+    Attributes:
+        teacher: Hub id or directory of the teacher (or its ``name_or_path`` when passed as a model).
+        teacher_revision: Hub revision / commit of the teacher, when known.
+        tokenizer_fingerprint: `tokenizer_fingerprint` of the tokenizer the prompts were encoded with.
+        vocab_size: Rows of the teacher's output embedding (the length of its distributions).
+        top_k: Log-probs kept per position.
+        temperature: Temperature of the sampling and of the stored log-probs.
+        top_p: Nucleus mass of the sampling (log-probs are of the full distribution regardless).
+        max_new_tokens: Longest trajectory.
+        num_samples: Trajectories per prompt.
+        seed: Seed of the sampling.
+        eos_token_ids: Ids that ended trajectories.
+        num_rows: Trajectories.
+        num_prompts: Prompts.
+        num_completion_tokens: Completion tokens over all trajectories.
+        data: The prompt DataModule's settings (dataset, template, filtering).
+        files: File name -> ``{"bytes": int, "sha256": str}`` for every data file of the cache.
+        created: UTC time of the build (ISO 8601).
+        versions: lit_smd, torch, transformers versions of the build.
+        format: Always ``"lit_smd.teacher_cache"``.
+        version: Format version.
+    """
+
+    teacher: str
+    teacher_revision: str | None
+    tokenizer_fingerprint: str
+    vocab_size: int
+    top_k: int
+    temperature: float
+    top_p: float
+    max_new_tokens: int
+    num_samples: int
+    seed: int
+    eos_token_ids: list[int]
+    num_rows: int
+    num_prompts: int
+    num_completion_tokens: int
+    data: dict[str, Any] = field(default_factory=dict)
+    files: dict[str, dict[str, Any]] = field(default_factory=dict)
+    created: str = ""
+    versions: dict[str, str] = field(default_factory=dict)
+    format: str = FORMAT
+    version: int = VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        """Bytes of the data files (``metadata.json`` excluded)."""
+        return sum(entry["bytes"] for entry in self.files.values())
+
+    @property
+    def bytes_per_token(self) -> float:
+        """On-disk bytes per completion token, prompts and Arrow overhead included."""
+        return self.total_bytes / max(self.num_completion_tokens, 1)
+
+    @classmethod
+    def read(cls, path: Path) -> "CacheMetadata":
+        """Parse ``path / metadata.json``; `TeacherCacheError` if it is missing or malformed."""
+        file = path / METADATA_FILE
+        if not file.is_file():
+            raise TeacherCacheError(
+                f"{path} is not a complete lit_smd teacher cache (no {METADATA_FILE}): the build did not finish, or "
+                "the folder holds something else; rebuild it with `lit-smd cache-teacher`"
+            )
+        try:
+            raw = json.loads(file.read_text())
+            known = {f.name for f in fields(cls)}
+            metadata = cls(**{key: value for key, value in raw.items() if key in known})
+        except (json.JSONDecodeError, TypeError) as error:
+            raise TeacherCacheError(f"{file} is corrupt ({error}); rebuild the cache") from error
+        if metadata.format != FORMAT or metadata.version != VERSION:
+            raise TeacherCacheError(
+                f"{path}: cache format {metadata.format!r} version {metadata.version} is not {FORMAT!r} version "
+                f"{VERSION}; rebuild the cache with this lit_smd"
+            )
+        return metadata
+
+
+@dataclass
+class CachedBatch:
+    """Teacher trajectories with their cached top-k teacher log-probs.
+
+    Attributes:
+        prompts: The trajectories' prompts (for student-prefix steps of a mixed run).
+        rollout: The teacher trajectories as a dense `lit_smd.rollout.Rollout` (``logprobs``: the teacher's).
+        topk_ids: ``[B, N, k]`` int32 teacher top-k ids per completion position, most likely first.
+        topk_logprobs: ``[B, N, k]`` float16 teacher log-probs at those ids (padding rows: a uniform top-k).
+    """
+
+    prompts: PromptBatch
+    rollout: Rollout
+    topk_ids: Tensor
+    topk_logprobs: Tensor
+
+    def __len__(self) -> int:
+        return len(self.rollout)
+
+    def to(self, device: torch.device | str) -> "CachedBatch":
+        return replace(
+            self,
+            prompts=self.prompts.to(device),
+            rollout=self.rollout.to(device),
+            topk_ids=self.topk_ids.to(device),
+            topk_logprobs=self.topk_logprobs.to(device),
+        )
+
+
+def tokenizer_fingerprint(tokenizer: PreTrainedTokenizerBase) -> str:
+    """SHA-256 of a tokenizer's token -> id map and special tokens: equal iff token ids mean the same text.
+
+    The chat template is left out (base and instruct variants of a model family share ids but not templates).
+    """
+    payload = {
+        "vocab": sorted(tokenizer.get_vocab().items()),
+        "special": {name: getattr(tokenizer, name, None) for name in ("bos_token", "eos_token", "unk_token")},
+    }
+    return hashlib.sha256(json.dumps(payload, sort_keys=True).encode()).hexdigest()
+
+
+@torch.no_grad()
+def teacher_topk_logprobs(
+    model: PreTrainedModel, rollout: Rollout, k: int, temperature: float = 1.0, chunk_size: int = 1024
+) -> tuple[Tensor, Tensor]:
+    """The teacher's ``k`` largest log-probs at every completion position, teacher-forced, in chunks of rows.
+
+    Args:
+        model: The teacher (a Hugging Face causal LM).
+        rollout: Trajectories to score (dense view).
+        k: Entries kept per position, ``1 <= k <= V``.
+        temperature: Temperature of the distribution.
+        chunk_size: Rows projected to the vocabulary at a time.
+
+    Returns:
+        ``(ids [B, N, k] long, logprobs [B, N, k] float32)``, sorted by decreasing log-prob; rows past a completion's
+        end hold meaningless values.
+    """
+    head = model.get_output_embeddings()
+    vocab_size = head.weight.shape[0]
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab_size:
+        raise ValueError(f"top_k must be an integer in [1, vocab size {vocab_size}], got {k!r}")
+    hidden = completion_hidden_states(model, rollout, shadow=False)  # [B, N, H]
+    rows = hidden.reshape(-1, hidden.shape[-1])  # [B*N, H]
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    ids, values = [], []
+    for start in range(0, rows.shape[0], chunk_size):
+        logits = F.linear(rows[start : start + chunk_size], head.weight, head.bias).to(dtype) / temperature  # [C, V]
+        top = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [C, k] each
+        values.append(top.values)
+        ids.append(top.indices)
+    shape = (*hidden.shape[:2], k)
+    return torch.cat(ids).view(shape), torch.cat(values).view(shape)
+
+
+def build_teacher_cache(
+    teacher: str | PreTrainedModel,
+    data: DistillDataModule,
+    output_dir: str,
+    top_k: int = 64,
+    temperature: float = 1.0,
+    max_new_tokens: int = 512,
+    num_samples: int = 1,
+    top_p: float = 1.0,
+    batch_size: int | None = None,
+    teacher_revision: str | None = None,
+    model_dtype: ModelDType = "auto",
+    quantization: Quantization | None = None,
+    device: str = "auto",
+    chunk_size: int = 1024,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> CacheMetadata:
+    """Sample teacher trajectories for every prompt of ``data`` and write them with top-k teacher log-probs.
+
+    This is the ``lit-smd cache-teacher`` command. The cache is complete and checksummed when this returns; an error
+    part-way leaves ``output_dir`` as it was.
+
+    Args:
+        teacher: The teacher: hub id / local directory, or a loaded model (used on its device).
+        data: The prompts (every prompt, probe set included, in order).
+        output_dir: Folder of the cache; must not exist unless ``overwrite``.
+        top_k: Teacher log-probs kept per position.
+        temperature: Sampling temperature, and the temperature of the stored log-probs (train at the same one).
+        max_new_tokens: Longest trajectory (cache at the top of a length curriculum: training truncates).
+        num_samples: Trajectories per prompt.
+        top_p: Nucleus sampling mass.
+        batch_size: Prompts per generation batch; None uses ``data.batch_size``.
+        teacher_revision: Hub revision of the teacher to load (and record).
+        model_dtype: Teacher parameter dtype when loaded from a path.
+        quantization: Load the teacher in bitsandbytes ``"8bit"`` / ``"4bit"`` (CUDA only).
+        device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ignored for a loaded model.
+        chunk_size: Rows projected to the vocabulary at a time when scoring.
+        seed: Seed of the sampling.
+        overwrite: Replace an existing cache at ``output_dir`` (kept until the new one is complete).
+
+    Returns:
+        The cache's metadata (``bytes_per_token`` among it).
+
+    Raises:
+        FileExistsError: ``output_dir`` exists and ``overwrite`` is False, or it is not a cache / empty folder.
+        ValueError: Invalid settings (``top_k`` outside ``[1, V]``, ``temperature <= 0``, ...).
+    """
+    target = Path(output_dir)
+    _check_target(target, overwrite)
+    for name, value in (("max_new_tokens", max_new_tokens), ("num_samples", num_samples), ("chunk_size", chunk_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if isinstance(teacher, str):
+        model = load_causal_lm(teacher, dtype=model_dtype, quantization=quantization, revision=teacher_revision)
+        if quantization is None:
+            model.to(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    else:
+        model = teacher
+    model.eval()
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= vocab_size:
+        raise ValueError(f"top_k must be an integer in [1, teacher vocab size {vocab_size}], got {top_k!r}")
+    if len(data.tokenizer) > vocab_size:
+        raise ValueError(
+            f"the tokenizer of `data` has {len(data.tokenizer)} tokens but the teacher only {vocab_size} output ids: "
+            "teacher and tokenizer do not belong together"
+        )
+    model_device = next(model.parameters()).device
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    configured = configured if isinstance(configured, list) else [configured]
+    data.setup()
+    eos_ids = sorted({*data.eos_token_ids, *(i for i in configured if i is not None)})
+    generator = torch.Generator(device=model_device).manual_seed(seed)
+
+    staging = target.parent / f".{target.name}.staging-{uuid.uuid4().hex[:8]}"
+    building = target.parent / f".{target.name}.building-{uuid.uuid4().hex[:8]}"
+    try:
+        staging.mkdir(parents=True)
+        num_tokens = 0
+        with ArrowWriter(features=FEATURES, path=str(staging / "data.arrow")) as writer:
+            for batch in data.prompt_batches(batch_size):
+                batch = batch.to(model_device)
+                rollout = generate(
+                    model, batch.prompt_ids, batch.prompt_mask, max_new_tokens=max_new_tokens,
+                    temperature=temperature, top_p=top_p, num_samples=num_samples, eos_token_id=eos_ids,
+                    pad_token_id=batch.pad_token_id, generator=generator,
+                )  # fmt: skip
+                ids, logprobs = teacher_topk_logprobs(model, rollout, top_k, temperature, chunk_size)
+                writer.write_table(_rows_table(rollout, ids, logprobs, batch.prompt_index, num_samples))
+                num_tokens += int(rollout.completion_mask.sum())
+            writer.finalize()
+        Dataset.from_file(str(staging / "data.arrow")).save_to_disk(str(building))
+        files = {
+            path.name: {"bytes": path.stat().st_size, "sha256": _sha256(path)}
+            for path in sorted(building.iterdir())
+            if path.is_file()
+        }
+        num_prompts = len(data.prompt_ids)
+        metadata = CacheMetadata(
+            teacher=teacher if isinstance(teacher, str) else str(getattr(model, "name_or_path", "") or "<model>"),
+            teacher_revision=teacher_revision or getattr(model.config, "_commit_hash", None),
+            tokenizer_fingerprint=tokenizer_fingerprint(data.tokenizer),
+            vocab_size=vocab_size,
+            top_k=top_k,
+            temperature=float(temperature),
+            top_p=float(top_p),
+            max_new_tokens=max_new_tokens,
+            num_samples=num_samples,
+            seed=seed,
+            eos_token_ids=eos_ids,
+            num_rows=num_prompts * num_samples,
+            num_prompts=num_prompts,
+            num_completion_tokens=num_tokens,
+            data=_json_safe(_describe(data)),
+            files=files,
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            versions={
+                "torch": torch.__version__, "transformers": transformers.__version__, "lit_smd": _package_version()
+            },
+        )
+        (building / METADATA_FILE).write_text(json.dumps(asdict(metadata), indent=2))
+        _move_into_place(building, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(building, ignore_errors=True)
+    logger.info("teacher cache %s: %d trajectories, %.1f bytes/token", target, metadata.num_rows,
+                metadata.bytes_per_token)
+    return metadata
+
+
+def load_teacher_cache(
+    path: str | os.PathLike[str],
+    tokenizer: PreTrainedTokenizerBase | None = None,
+    verify_checksums: bool = True,
+) -> tuple[Dataset, CacheMetadata]:
+    """Open a teacher cache after checking that it is complete, intact and made with ``tokenizer``.
+
+    Args:
+        path: The cache folder.
+        tokenizer: The student's tokenizer; its fingerprint must equal the cache's. None skips that check.
+        verify_checksums: Hash every data file (one read of the cache); sizes are always checked.
+
+    Returns:
+        The dataset (memory-mapped, read-only use) and its metadata.
+
+    Raises:
+        TeacherCacheError: Missing, incomplete, truncated or corrupt cache, or a tokenizer mismatch.
+    """
+    path = Path(path)
+    if not path.is_dir():
+        raise TeacherCacheError(f"teacher cache {path} does not exist; build it with `lit-smd cache-teacher`")
+    metadata = CacheMetadata.read(path)
+    if tokenizer is not None and tokenizer_fingerprint(tokenizer) != metadata.tokenizer_fingerprint:
+        raise TeacherCacheError(
+            f"tokenizer mismatch: the cache {path} was made with another tokenizer (teacher {metadata.teacher!r}, "
+            f"vocab size {metadata.vocab_size}) than the `tokenizer` given ({type(tokenizer).__name__} with "
+            f"{len(tokenizer)} tokens); distil with the tokenizer the cache was built with, or rebuild the cache"
+        )
+    for name, entry in metadata.files.items():
+        file = path / name
+        size = file.stat().st_size if file.is_file() else None
+        if size != entry["bytes"]:
+            found = "missing" if size is None else f"{size} bytes"
+            raise TeacherCacheError(
+                f"teacher cache {path} is truncated or corrupt: {name} is {found}, {METADATA_FILE} says "
+                f"{entry['bytes']} bytes; rebuild the cache"
+            )
+        if verify_checksums and _sha256(file) != entry["sha256"]:
+            raise TeacherCacheError(f"teacher cache {path} is corrupt: {name} fails its SHA-256 check; rebuild it")
+    try:
+        dataset = load_from_disk(str(path))
+    except Exception as error:  # noqa: BLE001  (pyarrow / datasets raise many types for a damaged file)
+        raise TeacherCacheError(f"teacher cache {path} cannot be read ({error}); rebuild it") from error
+    if not isinstance(dataset, Dataset) or set(dataset.column_names) != set(FEATURES):
+        raise TeacherCacheError(f"teacher cache {path} does not hold the expected columns {sorted(FEATURES)}")
+    lengths = pc.list_value_length(dataset.data.column("completion_ids"))
+    tokens = int(pc.sum(lengths).as_py() or 0)
+    if len(dataset) != metadata.num_rows or tokens != metadata.num_completion_tokens:
+        raise TeacherCacheError(
+            f"teacher cache {path} is inconsistent: {len(dataset)} rows / {tokens} tokens on disk, metadata says "
+            f"{metadata.num_rows} / {metadata.num_completion_tokens}; rebuild it"
+        )
+    return dataset, metadata
+
+
+class TeacherCacheDataModule(LightningDataModule):
+    """Cached teacher trajectories and top-k log-probs for training with no teacher forward (see the module docstring).
+
+    Everything is checked in `setup`, before the first step: the cache (`load_teacher_cache`) against ``tokenizer``;
+    the module then checks vocabulary size, k and temperature against `metadata`. The last ``num_probe_prompts``
+    prompts (all their trajectories) are held out as the curriculum's probe set.
+
+    Args:
+        path: The cache folder written by ``lit-smd cache-teacher`` (`build_teacher_cache`).
+        tokenizer: The student's tokenizer, or its hub id / local directory; must be the cache's.
+        batch_size: Trajectories per batch.
+        num_probe_prompts: Prompts held out for the entropy probe (0: no probe set).
+        shuffle: Shuffle trajectories every epoch (seeded).
+        seed: Seed of the shuffling.
+        verify_checksums: Hash the cache files at setup (one read); sizes are always checked.
+    """
+
+    def __init__(
+        self,
+        path: str,
+        tokenizer: str | PreTrainedTokenizerBase,
+        batch_size: int = 8,
+        num_probe_prompts: int = 0,
+        shuffle: bool = True,
+        seed: int = 0,
+        verify_checksums: bool = True,
+    ) -> None:
+        super().__init__()
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
+            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
+        if num_probe_prompts < 0:
+            raise ValueError(f"num_probe_prompts must be >= 0, got {num_probe_prompts}")
+        self.save_hyperparameters(ignore=[] if isinstance(tokenizer, str) else ["tokenizer"])
+        self.path = Path(path)
+        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.batch_size = batch_size
+        self.num_probe_prompts = num_probe_prompts
+        self.shuffle = shuffle
+        self.seed = seed
+        self.verify_checksums = verify_checksums
+        self.dataset: Dataset | None = None
+        self.metadata: CacheMetadata | None = None
+        self.train_rows: list[int] = []
+        self.probe_rows: list[int] = []
+
+    def setup(self, stage: str | None = None) -> None:
+        """Load and check the cache and split off the probe prompts (idempotent)."""
+        if self.dataset is not None:
+            return
+        dataset, metadata = load_teacher_cache(self.path, self.tokenizer, self.verify_checksums)
+        prompt_index = dataset.data.column("prompt_index").to_numpy()
+        probe_prompts = np.unique(prompt_index)[::-1][: self.num_probe_prompts]
+        is_probe = np.isin(prompt_index, probe_prompts)
+        self.train_rows = np.flatnonzero(~is_probe).tolist()
+        # One trajectory per probe prompt: the probe only needs the prompts.
+        _, first = np.unique(prompt_index, return_index=True)
+        self.probe_rows = sorted(int(row) for row in first if is_probe[row])
+        if not self.train_rows:
+            raise ValueError(
+                f"the cache {self.path} has {metadata.num_prompts} prompts: holding out num_probe_prompts="
+                f"{self.num_probe_prompts} leaves none to train on"
+            )
+        self.dataset, self.metadata = dataset.with_format("arrow"), metadata
+
+    def collate(self, rows: Sequence[int]) -> CachedBatch:
+        """The trajectories ``rows`` as one padded `CachedBatch` (prompts left-padded, completions right-padded)."""
+        self.setup()
+        table = self.dataset[list(rows)]  # pa.Table
+        k = self.metadata.top_k
+        pad = self.tokenizer.pad_token_id
+        eos_ids = tuple(self.metadata.eos_token_ids)  # student completions stop where the teacher's did
+        prompts = [seq.values.to_numpy() for seq in table.column("prompt_ids").combine_chunks()]
+        prompt_ids, prompt_mask = left_pad(prompts, pad)
+        lengths = pc.list_value_length(table.column("completion_ids")).to_numpy(zero_copy_only=False)
+        mask = np.arange(max(int(lengths.max()), 1))[None, :] < lengths[:, None]  # [B, N]
+        completion_ids = _padded(table, "completion_ids", mask, (), pad, np.int64)
+        logprobs = _padded(table, "completion_logprobs", mask, (), 0.0, np.float32)
+        # Padding rows get a valid uniform top-k so that no NaN reaches the (masked) loss terms.
+        topk_ids = _padded(table, "topk_ids", mask, (k,), np.arange(k, dtype=np.int32), np.int32)
+        topk_logprobs = _padded(table, "topk_logprobs", mask, (k,), -math.log(k), np.float16)
+        prompt_index = torch.from_numpy(table.column("prompt_index").to_numpy().astype(np.int64))
+        prompt_batch = PromptBatch(prompt_ids, prompt_mask, prompt_index, eos_ids, pad)
+        rollout = Rollout(
+            prompt_ids=prompt_ids,
+            prompt_mask=prompt_mask,
+            completion_ids=torch.from_numpy(completion_ids),
+            completion_mask=torch.from_numpy(mask),
+            logprobs=torch.from_numpy(logprobs),
+            finish_reason=table.column("finish_reason").to_pylist(),
+        )
+        return CachedBatch(prompt_batch, rollout, torch.from_numpy(topk_ids), torch.from_numpy(topk_logprobs))
+
+    def train_dataloader(self) -> DataLoader:
+        self.setup()
+        generator = torch.Generator().manual_seed(self.seed)
+        return DataLoader(
+            self.train_rows,
+            batch_size=self.batch_size,
+            shuffle=self.shuffle,
+            generator=generator if self.shuffle else None,
+            collate_fn=self.collate,
+        )
+
+    def probe_batch(self) -> PromptBatch:
+        """The held-out probe prompts, for the curriculum's entropy probe."""
+        self.setup()
+        if not self.probe_rows:
+            raise ValueError("the entropy probe needs held-out prompts: set num_probe_prompts >= 1")
+        return self.collate(self.probe_rows).prompts
+
+
+def _rows_table(rollout: Rollout, ids: Tensor, logprobs: Tensor, prompt_index: Tensor, num_samples: int) -> pa.Table:
+    """One Arrow row per trajectory (valid tokens only), from batched tensors."""
+    mask = rollout.completion_mask.cpu()  # [B, N]
+    lengths = mask.sum(1).numpy()
+    prompt_mask = rollout.prompt_mask.cpu()
+
+    def lists(values: np.ndarray, per_row: np.ndarray) -> pa.ListArray:
+        offsets = np.concatenate([[0], np.cumsum(per_row)]).astype(np.int32)
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+    k = ids.shape[-1]
+    rows = len(rollout)
+    return pa.table(
+        {
+            "prompt_index": pa.array(prompt_index.cpu().repeat_interleave(num_samples).numpy().astype(np.int32)),
+            "sample_index": pa.array(np.tile(np.arange(num_samples, dtype=np.int32), rows // num_samples)),
+            "prompt_ids": lists(
+                rollout.prompt_ids.cpu()[prompt_mask].numpy().astype(np.int32), prompt_mask.sum(1).numpy()
+            ),
+            "completion_ids": lists(rollout.completion_ids.cpu()[mask].numpy().astype(np.int32), lengths),
+            "completion_logprobs": lists(rollout.logprobs.cpu()[mask].numpy().astype(np.float16), lengths),
+            "topk_ids": lists(ids.cpu()[mask].reshape(-1).numpy().astype(np.int32), lengths * k),
+            "topk_logprobs": lists(logprobs.cpu()[mask].reshape(-1).numpy().astype(np.float16), lengths * k),
+            "finish_reason": pa.array(rollout.finish_reason, pa.string()),
+        },
+        schema=FEATURES.arrow_schema,
+    )
+
+
+def _padded(
+    table: pa.Table, column: str, mask: np.ndarray, inner: tuple[int, ...], fill: Any, dtype: type
+) -> np.ndarray:
+    """A flattened list column as ``[B, N, *inner]``, ``fill`` where ``mask`` is False."""
+    values = table.column(column).combine_chunks().flatten().to_numpy(zero_copy_only=False)
+    out = np.empty((*mask.shape, *inner), dtype=dtype)
+    out[...] = fill
+    out[mask] = values.reshape(-1, *inner)
+    return out
+
+
+def _check_target(target: Path, overwrite: bool) -> None:
+    if not target.exists():
+        return
+    if not overwrite:
+        raise FileExistsError(
+            f"output_dir {target} already exists; pass overwrite=True to replace it (the old cache stays in place "
+            "until the new one is complete)"
+        )
+    if target.is_dir() and ((target / METADATA_FILE).is_file() or not any(target.iterdir())):
+        return
+    raise FileExistsError(f"output_dir {target} exists and is not a lit_smd teacher cache: refusing to replace it")
+
+
+def _move_into_place(built: Path, target: Path) -> None:
+    """Rename ``built`` to ``target``; an existing ``target`` is removed only after the new one is in place."""
+    if not target.exists():
+        os.replace(built, target)
+        return
+    old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+    os.replace(target, old)
+    try:
+        os.replace(built, target)
+    except OSError:
+        os.replace(old, target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as file:
+        for block in iter(lambda: file.read(1 << 20), b""):
+            digest.update(block)
+    return digest.hexdigest()
+
+
+def _describe(data: DistillDataModule) -> dict[str, Any]:
+    """The prompt DataModule's settings; a dataset given as an object is named by its fingerprint."""
+    settings = dict(data.hparams)
+    if isinstance(data.dataset, Dataset):
+        settings["dataset"] = f"<datasets.Dataset fingerprint={data.dataset._fingerprint}, {len(data.dataset)} rows>"
+    return settings
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with anything JSON cannot hold replaced by its ``repr``."""
+    if isinstance(value, dict):
+        return {str(key): _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return repr(value)
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("lit_smd")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,579 @@
+"""Decoupled-KL distillation: prefix source (teacher / student / mix) x token-level KL (forward / reverse / mixed).
+
+Algorithm
+    A frozen teacher ``p_T`` is distilled into a student ``q_S`` sharing its tokenizer. Each step draws prefixes
+    ``s_t = (x, y_<t)`` from one of two sources and minimises, at every completion position,
+
+        w_f * KL(p_T(. | s_t) || q_S(. | s_t)) + w_r * KL(q_S(. | s_t) || p_T(. | s_t))
+
+    averaged over the batch's completion tokens, the prefixes held fixed (no gradient through the sampling):
+
+    - ``prefix_source="teacher"``: trajectories sampled from the teacher (off-policy; online, or read from a
+      `lit_smd.datamodules.TeacherCacheDataModule` so that no teacher runs during training);
+    - ``"student"``: the student samples every step (on-policy) with `lit_smd.rollout.generate`, the teacher scores;
+    - ``"mix"``: a seeded coin per batch picks the student with probability ``student_prefix_probability``.
+
+    With forward weight 1 / 0 the four (prefix x direction) cells are off-policy KD, "offline-RL-style" reverse KL,
+    DAgger-style on-policy KD and on-policy distillation (OPD); 0.8 / 0.2 is the recommended mix. Estimators:
+
+    - ``"full"``: exact over the vocabulary, the lm_heads fused with the loss and chunked over positions
+      (`lit_smd.losses.kl.chunked_token_kl`): neither model's ``[tokens, vocab]`` logits exist whole, gradients equal
+      the naive computation's.
+    - ``"topk"``: against the teacher's ``top_k`` log-probs (cached, or computed online), the tail renormalised or
+      kept as one bucket (``tail``; `lit_smd.losses.kl.topk_token_kl`).
+    - ``"sampled"``: reverse KL only, as REINFORCE with the dense reward ``log p_T - log q_S`` on the student's own
+      sampled tokens, stop-gradient on the reward (`lit_smd.losses.kl.sampled_reverse_kl`); student prefixes only.
+
+    The maximum completion length is ``max_new_tokens``, changed during training by
+    `lit_smd.callbacks.EntropyCurriculum` through `set_max_new_tokens` (cached teacher trajectories are truncated to
+    it), and the student's predictive entropy on held-out prompts is measured by `probe`.
+
+Papers
+    Decoupling KL and trajectories, arXiv 2605.16826 (the four cells, KL mixing, the entropy-gated length
+    curriculum). GKD, arXiv 2306.13649 (on-policy token-level distillation; the per-step student/data coin). MiniLLM,
+    arXiv 2306.08543, and the Thinking Machines on-policy distillation recipe (reverse KL as a dense per-token reward).
+
+Departures
+    - One temperature serves sampling and the KL (log-probs everywhere are of the temperature-scaled distribution),
+      so the sampled estimator is unbiased; there is no top-p / top-k truncation of the prefixes. No ``tau**2`` factor.
+    - The mixture is a weighted sum of the two KLs (as NeMo-RL's ``mixed``), not GKD's generalised JSD.
+    - The mix coin is drawn per batch (GKD: per step, the same thing without gradient accumulation), seeded by
+      ``(seed, global_step, batch_idx)``, so a resumed run draws what the original run would have.
+    - The teacher is kept out of the module's children: it is never trained, moved, cast or saved by Lightning
+      (checkpoints hold only the student). A bitsandbytes-quantized teacher stays where it was loaded.
+    - Teacher and student must have the same output vocabulary (rows of the lm_head): families that pad the vocabulary
+      differently per size (e.g. Qwen2.5 0.5B vs 7B) are rejected rather than sliced.
+
+Logged keys (every training step)
+    ``train/loss``; ``distill/forward_kl`` and ``distill/reverse_kl`` (unweighted token means; the sampled estimator
+    logs only ``reverse_kl``, its k1 estimate), ``distill/student_entropy`` (nats, the student's temperature-scaled
+    distribution on the training prefixes), ``distill/top1_agreement`` (teacher and student argmax agree),
+    ``distill/student_prefix`` (1 on student-prefix batches), ``distill/max_new_tokens``, and the length of the
+    batch's prefixes: ``distill/student_response_length`` and ``distill/student_truncated_fraction`` (hitting
+    ``max_new_tokens``: the length-inflation signal) on student-prefix batches, ``distill/teacher_response_length`` and
+    ``distill/teacher_truncated_fraction`` on teacher-prefix batches.
+"""
+
+import json
+import math
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import replace
+from pathlib import Path
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+from lightning.pytorch import LightningModule
+from torch import Tensor
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from lit_smd.callbacks.entropy_curriculum import ProbeStats
+from lit_smd.datamodules.distill import PromptBatch
+from lit_smd.datamodules.teacher_cache import CachedBatch, CacheMetadata, teacher_topk_logprobs, tokenizer_fingerprint
+from lit_smd.losses.kl import TailMode, chunked_token_kl, sampled_reverse_kl, topk_token_kl
+from lit_smd.losses.logprobs import token_logprobs_and_entropy
+from lit_smd.models import Quantization, load_causal_lm, load_tokenizer
+from lit_smd.rollout import Rollout, completion_hidden_states, generate
+
+__all__ = ["DistillModule", "Estimator", "PrefixSource"]
+
+PrefixSource = Literal["teacher", "student", "mix"]
+Estimator = Literal["full", "topk", "sampled"]
+ModelDType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
+OptimizerCallable = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
+LRSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+
+EXPORT_METADATA = "lit_smd_distill.json"
+
+
+class DistillModule(LightningModule):
+    """Distil a frozen teacher into a student with a chosen prefix source, KL mix and estimator.
+
+    Consumes `lit_smd.datamodules.PromptBatch`es (`DistillDataModule`: prefixes generated online) or
+    `lit_smd.datamodules.CachedBatch`es (`TeacherCacheDataModule`: cached teacher trajectories and top-k log-probs).
+    See the module docstring for the algorithm and the logged keys.
+
+    Interface for the length curriculum (`lit_smd.callbacks.EntropyCurriculum`): `max_new_tokens`,
+    `set_max_new_tokens` and `probe`. For RL afterwards: `export_student` (or ``export_dir``) writes the student with
+    ``save_pretrained``, which `lit_smd.modules.GRPOModule` loads as its ``policy``.
+
+    Args:
+        student: The model to train: a Hugging Face causal LM, or a hub id / local directory loaded in
+            `configure_model`.
+        teacher: The frozen teacher (same tokenizer and output vocabulary), or its hub id / directory. None only for
+            cached teacher prefixes with ``estimator="topk"``, which need no teacher.
+        prefix_source: ``"teacher"``, ``"student"`` or ``"mix"``.
+        student_prefix_probability: With ``"mix"``, the probability that a batch uses student prefixes.
+        forward_weight: ``w_f >= 0``, weight of ``KL(p_T || q_S)``.
+        reverse_weight: ``w_r >= 0``, weight of ``KL(q_S || p_T)``; not both 0.
+        temperature: ``> 0``; sampling and both distributions are at this temperature (a cache must be made at it).
+        estimator: ``"full"``, ``"topk"`` or ``"sampled"`` (see the module docstring).
+        top_k: Teacher log-probs per position for ``"topk"`` (``1 <= top_k <= V``; at most the cache's k).
+        tail: Top-k tail handling: ``"renormalize"`` or ``"bucket"``.
+        max_new_tokens: Completion length limit at the start (the curriculum changes it).
+        teacher_quantization: Load ``teacher`` (a path) in bitsandbytes ``"8bit"`` / ``"4bit"``; CUDA only.
+        optimizer: Optimizer factory called with the student's trainable parameters; None: AdamW, lr 1e-5, no weight
+            decay.
+        lr_scheduler: Optional scheduler factory called with the optimizer, stepped every optimizer step.
+        logits_chunk_size: Rows of ``[rows, vocab]`` logits computed at a time.
+        model_dtype: Parameter dtype of models loaded from a path.
+        gradient_checkpointing: Enable the student's activation checkpointing.
+        disable_dropout: Set the student's dropout probabilities to 0.
+        export_dir: Write the trained student (and the data side's tokenizer) here with ``save_pretrained`` when fit
+            ends (rank 0).
+        seed: Seed of the mix coin and of the sampling.
+    """
+
+    def __init__(
+        self,
+        student: str | PreTrainedModel,
+        teacher: str | PreTrainedModel | None = None,
+        prefix_source: PrefixSource = "student",
+        student_prefix_probability: float = 0.5,
+        forward_weight: float = 1.0,
+        reverse_weight: float = 0.0,
+        temperature: float = 1.0,
+        estimator: Estimator = "full",
+        top_k: int = 64,
+        tail: TailMode = "renormalize",
+        max_new_tokens: int = 128,
+        teacher_quantization: Quantization | None = None,
+        optimizer: OptimizerCallable | None = None,
+        lr_scheduler: LRSchedulerCallable | None = None,
+        logits_chunk_size: int = 1024,
+        model_dtype: ModelDType = "auto",
+        gradient_checkpointing: bool = False,
+        disable_dropout: bool = True,
+        export_dir: str | None = None,
+        seed: int = 0,
+    ) -> None:
+        super().__init__()
+        _check_init_args(
+            teacher, prefix_source, student_prefix_probability, forward_weight, reverse_weight, temperature, estimator,
+            top_k, tail, max_new_tokens, teacher_quantization, logits_chunk_size,
+        )  # fmt: skip
+        models = [name for name, value in (("student", student), ("teacher", teacher)) if not isinstance(value, str)]
+        self.save_hyperparameters(ignore=[*models, "optimizer", "lr_scheduler"])
+        self.prefix_source = prefix_source
+        self.student_prefix_probability = student_prefix_probability
+        self.forward_weight = forward_weight
+        self.reverse_weight = reverse_weight
+        self.temperature = temperature
+        self.estimator = estimator
+        self.top_k = top_k
+        self.tail = tail
+        self.teacher_quantization = teacher_quantization
+        self.optimizer_factory = optimizer
+        self.lr_scheduler_factory = lr_scheduler
+        self.logits_chunk_size = logits_chunk_size
+        self.model_dtype = model_dtype
+        self.gradient_checkpointing = gradient_checkpointing
+        self.disable_dropout = disable_dropout
+        self.export_dir = export_dir
+        self.seed = seed
+        self._max_new_tokens = max_new_tokens
+        self._student_source = student if isinstance(student, str) else None
+        self._teacher_source = teacher if isinstance(teacher, str) else None
+        # A plain dict, not an attribute: nn.Module would register the teacher as a child (trained by nothing, but
+        # moved, cast and saved in every checkpoint by Lightning).
+        self._frozen: dict[str, PreTrainedModel] = {}
+        self.student: PreTrainedModel | None = student if isinstance(student, PreTrainedModel) else None
+        if self.student is not None:
+            self._prepare_student()
+        if isinstance(teacher, PreTrainedModel):
+            self._frozen["teacher"] = _freeze(teacher)
+
+    # ------------------------------------------------------------------------------------- curriculum interface
+
+    @property
+    def teacher(self) -> PreTrainedModel | None:
+        """The frozen teacher (None before `configure_model` for a path, or for a cache-only run)."""
+        return self._frozen.get("teacher")
+
+    @property
+    def max_new_tokens(self) -> int:
+        """The current completion length limit (online prefixes are generated up to it, cached ones truncated)."""
+        return self._max_new_tokens
+
+    def set_max_new_tokens(self, value: int) -> None:
+        """Set the completion length limit (the length curriculum's handle)."""
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"max_new_tokens must be an integer >= 1, got {value!r}")
+        self._max_new_tokens = value
+
+    @torch.no_grad()
+    def probe(self, prompts: PromptBatch) -> ProbeStats:
+        """The student's completions of ``prompts`` at the current length and its mean per-token predictive entropy.
+
+        Sampling is seeded by ``seed`` alone, so two probes of the same weights agree. The student is put in eval
+        mode for the probe and restored.
+        """
+        prompts = prompts.to(self.device)
+        was_training = self.student.training
+        self.student.eval()
+        try:
+            rollout = self._generate(self.student, prompts, torch.Generator(self.device).manual_seed(self.seed))
+            hidden = completion_hidden_states(self.student, rollout, shadow=False)  # [B, N, H]
+            head = self.student.get_output_embeddings()
+            _, entropy = token_logprobs_and_entropy(
+                hidden, head.weight, head.bias, rollout.completion_ids, temperature=self.temperature,
+                chunk_size=self.logits_chunk_size,
+            )  # fmt: skip
+        finally:
+            self.student.train(was_training)
+        return ProbeStats(
+            entropy=float(_masked_mean(entropy, rollout.completion_mask)),
+            response_length=float(rollout.completion_lengths.double().mean()),
+            truncated_fraction=float(rollout.truncated.double().mean()),
+        )
+
+    # ------------------------------------------------------------------------------------------------- training
+
+    def forward(self, prompts: PromptBatch) -> Rollout:
+        """The student's sampled completions of ``prompts`` (no gradient, at ``temperature`` and ``max_new_tokens``)."""
+        return self._generate(self.student, prompts.to(self.device), None)
+
+    def training_step(self, batch: PromptBatch | CachedBatch, batch_idx: int) -> Tensor:
+        prompts = batch.prompts if isinstance(batch, CachedBatch) else batch
+        if not isinstance(prompts, PromptBatch):
+            raise TypeError(
+                f"DistillModule.training_step expects a PromptBatch or CachedBatch, got {type(batch).__name__}; use "
+                "lit_smd.datamodules.DistillDataModule or TeacherCacheDataModule"
+            )
+        student_prefix = self._draw_student_prefix(batch_idx)
+        cached = None
+        if student_prefix:
+            rollout = self._generate(self.student, prompts, self._generator(batch_idx))
+        elif isinstance(batch, CachedBatch):
+            rollout, cached = self._truncate(batch)
+        else:
+            if self.teacher is None:
+                raise ValueError(
+                    "teacher prefixes without a teacher: pass `teacher`, or train on a TeacherCacheDataModule"
+                )
+            rollout = self._generate(self.teacher, prompts, self._generator(batch_idx))
+        loss, metrics = self.distill_loss(rollout, cached)
+        side = "student" if student_prefix else "teacher"
+        metrics[f"distill/{side}_response_length"] = rollout.completion_lengths.double().mean()
+        metrics[f"distill/{side}_truncated_fraction"] = rollout.truncated.double().mean()
+        metrics["distill/student_prefix"] = float(student_prefix)
+        metrics["distill/max_new_tokens"] = float(self._max_new_tokens)
+        metrics["train/loss"] = loss.detach()
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(rollout))
+        return loss
+
+    def distill_loss(
+        self, rollout: Rollout, cached: tuple[Tensor, Tensor] | None = None
+    ) -> tuple[Tensor, dict[str, Tensor]]:
+        """The weighted token KL on fixed prefixes, and its detached ``distill/`` statistics.
+
+        Args:
+            rollout: The prefixes (completions scored teacher-forced, dense view).
+            cached: ``(topk_ids, topk_logprobs)``, each ``[B, N, k]``, the teacher's cached top-k for ``rollout``;
+                used by ``estimator="topk"`` instead of a teacher forward.
+
+        Returns:
+            The scalar loss (token mean over ``rollout.completion_mask``) and the statistics by log key.
+        """
+        mask = rollout.completion_mask  # [B, N]
+        head = self.student.get_output_embeddings()
+        chunk = self.logits_chunk_size
+        weights = {"forward_weight": self.forward_weight, "reverse_weight": self.reverse_weight}
+        common = {"temperature": self.temperature, "mask": mask, "chunk_size": chunk}
+        student_hidden = completion_hidden_states(self.student, rollout, shadow=False)  # [B, N, H]
+        if self.estimator == "topk":
+            if cached is None:
+                ids, logprobs = teacher_topk_logprobs(self.teacher, rollout, self.top_k, self.temperature, chunk)
+            else:
+                ids, logprobs = cached[0][..., : self.top_k], cached[1][..., : self.top_k]  # [B, N, k]
+            out = topk_token_kl(
+                student_hidden, ids, logprobs, lm_head_weight=head.weight, lm_head_bias=head.bias, tail=self.tail,
+                **weights, **common,
+            )  # fmt: skip
+            teacher_top1 = ids[..., 0].long()  # [B, N]: the top-k is sorted by decreasing log-prob
+        else:
+            teacher_head = self.teacher.get_output_embeddings()
+            with torch.no_grad():
+                teacher_hidden = completion_hidden_states(self.teacher, rollout, shadow=False)  # [B, N, H_T]
+            teacher_top1 = _chunked_argmax(teacher_hidden, teacher_head.weight, teacher_head.bias, chunk)  # [B, N]
+        if self.estimator == "full":
+            out = chunked_token_kl(
+                student_hidden, head.weight, teacher_hidden, teacher_lm_head_weight=teacher_head.weight,
+                lm_head_bias=head.bias, teacher_lm_head_bias=teacher_head.bias, **weights, **common,
+            )  # fmt: skip
+        if self.estimator == "sampled":
+            ids = rollout.completion_ids
+            logprobs, entropy = token_logprobs_and_entropy(
+                student_hidden, head.weight, head.bias, ids, temperature=self.temperature, chunk_size=chunk
+            )  # [B, N] each, with gradient
+            with torch.no_grad():
+                teacher_logprobs, _ = token_logprobs_and_entropy(
+                    teacher_hidden, teacher_head.weight, teacher_head.bias, ids, temperature=self.temperature,
+                    chunk_size=chunk,
+                )  # fmt: skip
+            loss = sampled_reverse_kl(logprobs, teacher_logprobs, mask)
+            metrics = {"distill/reverse_kl": loss.detach(), "distill/student_entropy": _masked_mean(entropy, mask)}
+        else:
+            loss = out.loss
+            metrics = {
+                "distill/forward_kl": out.forward_kl,
+                "distill/reverse_kl": out.reverse_kl,
+                "distill/student_entropy": out.student_entropy,
+            }
+        student_top1 = _chunked_argmax(student_hidden, head.weight, head.bias, chunk)  # [B, N]
+        metrics["distill/top1_agreement"] = _masked_mean((student_top1 == teacher_top1).double(), mask)
+        return loss, metrics
+
+    def configure_optimizers(self) -> object:
+        """The injected optimizer (default AdamW, lr 1e-5) over the student, with the scheduler stepped per step."""
+        params = [p for p in self.student.parameters() if p.requires_grad]
+        if self.optimizer_factory is None:
+            optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
+        else:
+            optimizer = self.optimizer_factory(params)
+        if self.lr_scheduler_factory is None:
+            return optimizer
+        scheduler = self.lr_scheduler_factory(optimizer)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+    # ------------------------------------------------------------------------------------------------- hooks
+
+    def configure_model(self) -> None:
+        """Load ``student`` / ``teacher`` given as paths and check that they can be distilled (idempotent)."""
+        if self.student is None:
+            self.student = load_causal_lm(self._student_source, dtype=self.model_dtype)
+            self._prepare_student()
+        if self.teacher is None and self._teacher_source is not None:
+            self._frozen["teacher"] = _freeze(
+                load_causal_lm(self._teacher_source, dtype=self.model_dtype, quantization=self.teacher_quantization)
+            )
+        self._check_models()
+
+    def on_fit_start(self) -> None:
+        # from_pretrained returns eval-mode models and Lightning keeps the mode it finds.
+        self.student.train()
+        teacher = self.teacher
+        if teacher is not None and getattr(teacher, "hf_quantizer", None) is None:
+            teacher.to(self.device)  # quantized weights stay where bitsandbytes put them
+        datamodule = self.trainer.datamodule
+        tokenizer = getattr(datamodule, "tokenizer", None)
+        vocab_size = self.student.get_output_embeddings().weight.shape[0]
+        if isinstance(tokenizer, PreTrainedTokenizerBase) and len(tokenizer) > vocab_size:
+            raise ValueError(
+                f"the data side's tokenizer has {len(tokenizer)} tokens but the student only {vocab_size} output ids: "
+                "`student` and the DataModule's `tokenizer` do not belong together"
+            )
+        metadata = getattr(datamodule, "metadata", None)
+        if isinstance(metadata, CacheMetadata):
+            self.check_cache(metadata)
+
+    def on_train_end(self) -> None:
+        if self.export_dir is not None and self.trainer.is_global_zero:
+            self.export_student(self.export_dir, tokenizer=getattr(self.trainer.datamodule, "tokenizer", None))
+
+    def check_cache(self, metadata: CacheMetadata) -> None:
+        """Check a teacher cache against the student and the settings; raises ``ValueError`` naming the parameter."""
+        vocab_size = self.student.get_output_embeddings().weight.shape[0]
+        if metadata.vocab_size != vocab_size:
+            raise ValueError(
+                f"vocabulary mismatch: the teacher cache holds distributions over {metadata.vocab_size} ids (teacher "
+                f"{metadata.teacher!r}) but `student` has {vocab_size} output ids; distil a student that shares the "
+                "teacher's vocabulary, or rebuild the cache"
+            )
+        if self.estimator == "topk" and self.top_k > metadata.top_k:
+            raise ValueError(f"top_k={self.top_k} exceeds the k={metadata.top_k} stored in the teacher cache")
+        if not math.isclose(self.temperature, metadata.temperature):
+            raise ValueError(
+                f"temperature={self.temperature} differs from the teacher cache's {metadata.temperature}: the cached "
+                "log-probs are of the distribution at the cache's temperature; train at it or rebuild the cache"
+            )
+        if self._max_new_tokens > metadata.max_new_tokens:
+            warnings.warn(
+                f"max_new_tokens={self._max_new_tokens} exceeds the cache's {metadata.max_new_tokens}: cached teacher "
+                "prefixes are no longer than that",
+                stacklevel=2,
+            )
+
+    def export_student(self, directory: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
+        """Write the student (``save_pretrained``), its tokenizer and ``lit_smd_distill.json`` to ``directory``.
+
+        Args:
+            directory: Output folder, loadable by `lit_smd.models.load_causal_lm` (e.g. as `GRPOModule`'s
+                ``policy``) and `lit_smd.models.load_tokenizer`.
+            tokenizer: The tokenizer to ship; None takes the student's own when it was loaded from a path.
+
+        Returns:
+            The folder.
+        """
+        if tokenizer is None and self._student_source is not None:
+            try:
+                tokenizer = load_tokenizer(self._student_source)
+            except (OSError, ValueError):
+                tokenizer = None
+        vocab_size = self.student.get_output_embeddings().weight.shape[0]
+        if tokenizer is not None and len(tokenizer) > vocab_size:
+            raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than the student's {vocab_size} output ids")
+        path = Path(directory)
+        self.student.save_pretrained(path)
+        if tokenizer is None:
+            warnings.warn(f"the student is exported to {path} without a tokenizer", stacklevel=2)
+        else:
+            tokenizer.save_pretrained(path)
+        provenance = {
+            "teacher": self._teacher_source or getattr(self.teacher, "name_or_path", None),
+            "global_step": self.global_step,
+            "tokenizer_fingerprint": None if tokenizer is None else tokenizer_fingerprint(tokenizer),
+            "hparams": {key: repr(value) for key, value in self.hparams.items()},
+        }
+        (path / EXPORT_METADATA).write_text(json.dumps(provenance, indent=2))
+        return path
+
+    # --------------------------------------------------------------------------------------------------- helpers
+
+    def _prepare_student(self) -> None:
+        if self.disable_dropout:
+            for module in self.student.modules():
+                if isinstance(module, torch.nn.Dropout):
+                    module.p = 0.0
+                if isinstance(getattr(module, "attention_dropout", None), float):
+                    module.attention_dropout = 0.0
+        if self.gradient_checkpointing:
+            self.student.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+    def _check_models(self) -> None:
+        vocab_size = self.student.get_output_embeddings().weight.shape[0]
+        if self.estimator == "topk" and self.top_k > vocab_size:
+            raise ValueError(f"top_k={self.top_k} exceeds the vocabulary size {vocab_size}")
+        if self.teacher is None:
+            return
+        teacher_vocab = self.teacher.get_output_embeddings().weight.shape[0]
+        if teacher_vocab != vocab_size:
+            raise ValueError(
+                f"vocabulary mismatch: `teacher` has {teacher_vocab} output ids, `student` {vocab_size}; distillation "
+                "needs a teacher and a student that share a tokenizer and output vocabulary"
+            )
+        if self._student_source is not None and self._teacher_source is not None:
+            sources = (self._student_source, self._teacher_source)
+            try:
+                fingerprints = {tokenizer_fingerprint(load_tokenizer(source)) for source in sources}
+            except (OSError, ValueError):  # a checkpoint shipped without a tokenizer: the vocabulary check stands
+                return
+            if len(fingerprints) > 1:
+                raise ValueError(
+                    f"tokenizer mismatch: `teacher` ({self._teacher_source}) and `student` ({self._student_source}) "
+                    "ship different tokenizers (same vocabulary size, different token ids); distillation needs one"
+                )
+
+    def _draw_student_prefix(self, batch_idx: int) -> bool:
+        if self.prefix_source != "mix":
+            return self.prefix_source == "student"
+        generator = torch.Generator().manual_seed(_seed(self.seed, self.global_step, batch_idx, 0))
+        return bool(torch.rand((), generator=generator) < self.student_prefix_probability)
+
+    def _generator(self, batch_idx: int) -> torch.Generator:
+        return torch.Generator(self.device).manual_seed(_seed(self.seed, self.global_step, batch_idx, 1))
+
+    def _generate(self, model: PreTrainedModel, prompts: PromptBatch, generator: torch.Generator | None) -> Rollout:
+        configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        configured = configured if isinstance(configured, list) else [configured]
+        return generate(
+            model, prompts.prompt_ids, prompts.prompt_mask, max_new_tokens=self._max_new_tokens,
+            temperature=self.temperature, eos_token_id=sorted({*prompts.eos_token_ids, *filter(None, configured)}),
+            pad_token_id=prompts.pad_token_id, generator=generator,
+        )  # fmt: skip
+
+    def _truncate(self, batch: CachedBatch) -> tuple[Rollout, tuple[Tensor, Tensor]]:
+        """The cached trajectories cut at ``max_new_tokens`` (cut ones marked ``"length"``) and their top-k."""
+        rollout, limit = batch.rollout, self._max_new_tokens
+        if rollout.completion_ids.shape[1] <= limit:
+            return rollout, (batch.topk_ids, batch.topk_logprobs)
+        cut = (rollout.completion_lengths > limit).tolist()
+        rollout = replace(
+            rollout,
+            completion_ids=rollout.completion_ids[:, :limit],
+            completion_mask=rollout.completion_mask[:, :limit],
+            logprobs=rollout.logprobs[:, :limit],
+            finish_reason=["length" if c else reason for c, reason in zip(cut, rollout.finish_reason, strict=True)],
+        )
+        return rollout, (batch.topk_ids[:, :limit], batch.topk_logprobs[:, :limit])
+
+
+@torch.no_grad()
+def _chunked_argmax(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk_size: int) -> Tensor:
+    """``argmax(hidden @ weight.T + bias)``, ``chunk_size`` rows at a time: ``[..., H] -> [...]``."""
+    rows = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+    top = [F.linear(rows[s : s + chunk_size], weight, bias).argmax(-1) for s in range(0, rows.shape[0], chunk_size)]
+    return torch.cat(top).view(hidden.shape[:-1])
+
+
+def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
+    return torch.where(mask, x.detach().double(), 0.0).sum() / mask.sum().clamp(min=1)
+
+
+def _seed(*parts: int) -> int:
+    """A deterministic 63-bit seed from integers (the hash of an int tuple does not depend on PYTHONHASHSEED)."""
+    return hash(parts) % 2**63
+
+
+def _freeze(model: PreTrainedModel) -> PreTrainedModel:
+    model.eval()
+    model.requires_grad_(False)
+    return model
+
+
+def _check_init_args(
+    teacher: object,
+    prefix_source: str,
+    student_prefix_probability: float,
+    forward_weight: float,
+    reverse_weight: float,
+    temperature: float,
+    estimator: str,
+    top_k: int,
+    tail: str,
+    max_new_tokens: int,
+    teacher_quantization: str | None,
+    logits_chunk_size: int,
+) -> None:
+    if prefix_source not in ("teacher", "student", "mix"):
+        raise ValueError(f"prefix_source must be 'teacher', 'student' or 'mix', got {prefix_source!r}")
+    if not 0.0 <= student_prefix_probability <= 1.0:
+        raise ValueError(f"student_prefix_probability must be in [0, 1], got {student_prefix_probability}")
+    for name, value in (("forward_weight", forward_weight), ("reverse_weight", reverse_weight)):
+        if not (value >= 0 and math.isfinite(value)):
+            raise ValueError(f"{name} must be finite and >= 0, got {value}")
+    if forward_weight == 0 and reverse_weight == 0:
+        raise ValueError("forward_weight and reverse_weight are both 0: the loss would be identically zero")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    if estimator not in ("full", "topk", "sampled"):
+        raise ValueError(f"estimator must be 'full', 'topk' or 'sampled', got {estimator!r}")
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
+    if tail not in ("renormalize", "bucket"):
+        raise ValueError(f"tail must be 'renormalize' or 'bucket', got {tail!r}")
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if logits_chunk_size < 1:
+        raise ValueError(f"logits_chunk_size must be >= 1, got {logits_chunk_size}")
+    if estimator == "sampled" and prefix_source != "student":
+        raise ValueError(
+            f"estimator='sampled' needs tokens sampled from the student: set prefix_source='student' (got "
+            f"{prefix_source!r}), or use estimator='full' / 'topk'"
+        )
+    if estimator == "sampled" and forward_weight != 0:
+        raise ValueError(
+            f"estimator='sampled' estimates the reverse KL only: set forward_weight=0 (got {forward_weight}), or use "
+            "estimator='full' / 'topk' for a forward or mixed KL"
+        )
+    if teacher is None and (estimator != "topk" or prefix_source != "teacher"):
+        raise ValueError(
+            f"teacher=None works only with cached teacher prefixes and estimator='topk'; prefix_source="
+            f"{prefix_source!r} with estimator={estimator!r} needs a `teacher`"
+        )
+    if teacher_quantization is not None:
+        if teacher_quantization not in ("8bit", "4bit"):
+            raise ValueError(f"teacher_quantization must be None, '8bit' or '4bit', got {teacher_quantization!r}")
+        if not isinstance(teacher, str):
+            raise ValueError("teacher_quantization applies when `teacher` is a path; quantize a loaded model yourself")
