@@ -1,5 +1,14 @@
-"""Lightning callbacks: the entropy-gated length curriculum."""
+"""Lightning callbacks: the entropy-gated length curriculum, peak memory per training phase, generation evaluation."""
 
 from lit_smd.callbacks.entropy_curriculum import EntropyCurriculum, LengthCurriculumTarget, ProbeStats
+from lit_smd.callbacks.generation_eval import GenerationEval, MetricName
+from lit_smd.callbacks.memory_profiler import MemoryProfiler
 
-__all__ = ["EntropyCurriculum", "LengthCurriculumTarget", "ProbeStats"]
+__all__ = [
+    "EntropyCurriculum",
+    "GenerationEval",
+    "LengthCurriculumTarget",
+    "MemoryProfiler",
+    "MetricName",
+    "ProbeStats",
+]

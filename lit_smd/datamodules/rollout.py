@@ -27,6 +27,14 @@ Compared with TRL's ``GRPOTrainer``: ``num_iterations`` is the same; ``minibatch
 batch of ``steps_per_generation`` (consecutive slices, not shuffled, so the completions of a prompt stay together);
 generation uses lit_smd's own loop (`lit_smd.rollout.generate`, the only one that records shadow masks), not vLLM.
 
+Evaluation prompts: ``val_dataset`` / ``test_dataset`` feed `val_dataloader` / `test_dataloader` with batches of
+prompts prepared like the training prompts (chat template, length filter) and tokenized, plus their reference columns;
+`lit_smd.callbacks.GenerationEval` samples from them and scores them in ``trainer.validate`` / ``trainer.test`` (and in
+the periodic validation of ``fit``). They are not used for training.
+
+Phases: `collect` runs inside ``report_phase(learner, "rollout")``, so observers registered in the learner's optional
+``phase_listeners`` (`lit_smd.callbacks.MemoryProfiler`) see where the rollout begins and ends.
+
 Handled inputs, each with a clear error or a logged count:
     - prompts longer than ``max_prompt_tokens``, empty prompts, and prompts shorter than the compressor needs (SnapKV's
       observation window): dropped at setup / dataloader creation, counts logged (``num_filtered``);
@@ -39,14 +47,16 @@ Handled inputs, each with a clear error or a logged count:
 
 import logging
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from datasets import Dataset
 from lightning.pytorch import LightningDataModule
 from torch import Tensor
+from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from lit_smd.models import load_tokenizer
@@ -54,7 +64,7 @@ from lit_smd.rewards.combine import RewardFn, WeightedRewards
 from lit_smd.rollout import Rollout, generate
 from lit_smd.tasks.datasets import TASKS, load_rows, load_task, prepare_prompts
 
-__all__ = ["Experience", "ExperienceStream", "RolloutDataModule", "RolloutLearner"]
+__all__ = ["Experience", "ExperienceStream", "PhaseListener", "RolloutDataModule", "RolloutLearner", "report_phase"]
 
 logger = logging.getLogger(__name__)
 
@@ -117,6 +127,32 @@ def _apply(tensor: Tensor | None, fn: Any) -> Tensor | None:
     return None if tensor is None else fn(tensor)
 
 
+PhaseListener = Callable[[str, bool], None]
+"""Called with ``(phase_name, True)`` when a named phase of work begins and ``(phase_name, False)`` when it ends."""
+
+
+@contextmanager
+def report_phase(owner: object, name: str) -> Iterator[None]:
+    """Run a block as the phase ``name``: notify each listener in ``owner.phase_listeners`` when it starts and ends.
+
+    The listener list is an optional attribute of a LightningModule (`lit_smd.modules.GRPOModule` has one); owners
+    without it are not notified. Phase names used in lit_smd: ``"rollout"`` (`RolloutDataModule.collect`),
+    ``"teacher"`` (the no-grad dense pass of SMD) and ``"eval"`` (`lit_smd.callbacks.GenerationEval`).
+
+    Args:
+        owner: The object whose ``phase_listeners`` (a list of `PhaseListener`) are notified.
+        name: The phase name.
+    """
+    listeners = list(getattr(owner, "phase_listeners", ()))
+    for listener in listeners:
+        listener(name, True)
+    try:
+        yield
+    finally:
+        for listener in reversed(listeners):
+            listener(name, False)
+
+
 @runtime_checkable
 class RolloutLearner(Protocol):
     """What the data side needs from the LightningModule (`lit_smd.modules.GRPOModule` provides it).
@@ -125,6 +161,9 @@ class RolloutLearner(Protocol):
         policy: The causal LM being trained (sampled from in eval mode, no grad).
         compressor: The rollout's KV compressor, None for dense rollouts.
         temperature: Sampling temperature (the learner's log-probs use the same one).
+
+    Optional: ``phase_listeners``, a list of `PhaseListener` notified around each `RolloutDataModule.collect` (see
+    `report_phase`).
     """
 
     policy: Any
@@ -170,6 +209,12 @@ class RolloutDataModule(LightningDataModule):
         use_chat_template: Wrap prompts in the tokenizer's chat template when it has one.
         system_prompt: System message before each prompt (chat template only).
         seed: Seed of the prompt order and of the sampling.
+        val_dataset: Evaluation prompts of `val_dataloader` (same forms as ``dataset``, with the reference columns the
+            evaluation metric reads); None means no validation data.
+        val_dataset_kwargs: Keyword arguments of the task function (or ``load_rows``) when ``val_dataset`` is a string.
+        test_dataset: Evaluation prompts of `test_dataloader`, as ``val_dataset``.
+        test_dataset_kwargs: As ``val_dataset_kwargs``, for ``test_dataset``.
+        eval_batch_size: Prompts per validation / test batch.
     """
 
     def __init__(
@@ -191,6 +236,11 @@ class RolloutDataModule(LightningDataModule):
         use_chat_template: bool = True,
         system_prompt: str | None = None,
         seed: int = 0,
+        val_dataset: str | Dataset | None = None,
+        val_dataset_kwargs: dict[str, Any] | None = None,
+        test_dataset: str | Dataset | None = None,
+        test_dataset_kwargs: dict[str, Any] | None = None,
+        eval_batch_size: int = 8,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -198,6 +248,7 @@ class RolloutDataModule(LightningDataModule):
             ("num_generations", num_generations),
             ("max_new_tokens", max_new_tokens),
             ("num_iterations", num_iterations),
+            ("eval_batch_size", eval_batch_size),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -208,8 +259,17 @@ class RolloutDataModule(LightningDataModule):
             raise ValueError(f"dataset must be a datasets.Dataset or a task name, got {type(dataset).__name__}")
         if not isinstance(dataset, str) and dataset_kwargs:
             raise ValueError("dataset_kwargs are for a dataset given by name; this one is a Dataset")
-        given = (("dataset", dataset), ("tokenizer", tokenizer))
-        objects = [name for name, value in given if not isinstance(value, str)]
+        evaluation = (("val", val_dataset, val_dataset_kwargs), ("test", test_dataset, test_dataset_kwargs))
+        for split, source, kwargs in evaluation:
+            if not isinstance(source, str) and kwargs:
+                raise ValueError(f"{split}_dataset_kwargs are for a {split}_dataset given by name")
+        given = (
+            ("dataset", dataset),
+            ("tokenizer", tokenizer),
+            ("val_dataset", val_dataset),
+            ("test_dataset", test_dataset),
+        )
+        objects = [name for name, value in given if value is not None and not isinstance(value, str)]
         self.save_hyperparameters(ignore=[*objects, "reward_funcs"])
         self.dataset = dataset
         self.dataset_kwargs = dict(dataset_kwargs or {})
@@ -227,6 +287,11 @@ class RolloutDataModule(LightningDataModule):
         self.use_chat_template = use_chat_template
         self.system_prompt = system_prompt
         self.seed = seed
+        self.eval_datasets = {
+            "val": (val_dataset, dict(val_dataset_kwargs or {})),
+            "test": (test_dataset, dict(test_dataset_kwargs or {})),
+        }
+        self.eval_batch_size = eval_batch_size
         self.prompts: Dataset | None = None
         self.prompt_lengths: list[int] = []
         self.num_filtered: dict[str, int] = {}
@@ -249,8 +314,11 @@ class RolloutDataModule(LightningDataModule):
         return self.num_iterations * (rows // (self.minibatch_size or rows))
 
     def setup(self, stage: str | None = None) -> None:
-        """Build the prompt rows, apply the chat template and drop over-long and empty prompts (idempotent)."""
-        if self.prompts is not None:
+        """Build the prompt rows, apply the chat template and drop over-long and empty prompts (idempotent).
+
+        Nothing to do for ``stage="validate"`` / ``"test"``: evaluation prompts are built by their dataloaders.
+        """
+        if self.prompts is not None or stage in ("validate", "test"):
             return
         if isinstance(self.dataset, str):
             loader = load_task if self.dataset in TASKS else load_rows
@@ -284,6 +352,56 @@ class RolloutDataModule(LightningDataModule):
             raise RuntimeError("RolloutDataModule.train_dataloader needs a Trainer; use ExperienceStream directly")
         return ExperienceStream(self, trainer.lightning_module, rank=trainer.global_rank, world_size=trainer.world_size)
 
+    def val_dataloader(self) -> DataLoader | list:
+        """Batches of ``val_dataset`` prompts (see `eval_dataloader`); an empty list without a ``val_dataset``."""
+        return self.eval_dataloader("val")
+
+    def test_dataloader(self) -> DataLoader | list:
+        """Batches of ``test_dataset`` prompts (see `eval_dataloader`); an empty list without a ``test_dataset``."""
+        return self.eval_dataloader("test")
+
+    def eval_dataloader(self, split: Literal["val", "test"]) -> DataLoader | list:
+        """Batches of evaluation prompts for `lit_smd.callbacks.GenerationEval`, in dataset order.
+
+        Prompts are prepared like the training prompts (chat template, ``max_prompt_tokens``, empty ones dropped).
+        Each batch is a dict: ``input_ids`` / ``attention_mask`` (``[B, P]``, left-padded), ``prompt`` (the prepared
+        texts) and every other column of the rows as a list (the references: ``answer``, ``reference``, ...).
+
+        Args:
+            split: ``"val"`` or ``"test"``.
+
+        Returns:
+            The dataloader, or an empty list when the split has no dataset (Lightning then skips the loop).
+        """
+        source, kwargs = self.eval_datasets[split]
+        if source is None:
+            return []
+        if isinstance(source, str):
+            raw = (load_task if source in TASKS else load_rows)(source, **kwargs)
+        else:
+            raw = source
+        if "prompt" not in raw.column_names:
+            raise ValueError(f"the {split}_dataset needs a 'prompt' column, got columns {raw.column_names}")
+        prepared, _ = prepare_prompts(
+            raw, self.tokenizer, self.max_prompt_tokens, self.system_prompt, self.use_chat_template
+        )
+        keep = [index for index, prompt in enumerate(prepared["prompt"]) if prompt]
+        prepared = prepared.select(keep) if len(keep) < len(prepared) else prepared
+        if not prepared:
+            raise ValueError(f"no {split}_dataset prompt is left after filtering; check max_prompt_tokens")
+        return DataLoader(prepared, batch_size=self.eval_batch_size, shuffle=False, collate_fn=self._collate_prompts)
+
+    def _collate_prompts(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+        batch = {name: [row[name] for row in rows] for name in rows[0]}
+        encoded = self.tokenizer(
+            batch["prompt"],
+            padding=True,
+            padding_side="left",
+            return_tensors="pt",
+            add_special_tokens=not self.templated,
+        )
+        return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], **batch}
+
     def eligible_indices(self, min_prompt_length: int = 1) -> list[int]:
         """Indices of the prompts with at least ``min_prompt_length`` tokens (a compressor's minimum); count logged."""
         self.setup()
@@ -307,8 +425,16 @@ class RolloutDataModule(LightningDataModule):
 
         Returns:
             The whole batch as one `Experience` (``iteration=0``, with the batch metrics, ``time/*`` included).
+
+        The work runs as the learner's ``"rollout"`` phase (`report_phase`).
         """
         self.setup()
+        with report_phase(learner, "rollout"):
+            return self._collect(learner, indices, generator)
+
+    def _collect(
+        self, learner: RolloutLearner, indices: Sequence[int], generator: torch.Generator | None
+    ) -> Experience:
         start = time.perf_counter()
         policy = learner.policy
         device = next(policy.parameters()).device

@@ -71,14 +71,14 @@ import math
 import time
 import warnings
 from collections.abc import Callable, Iterable
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from lit_smd.datamodules.rollout import Experience
+from lit_smd.datamodules.rollout import Experience, PhaseListener, report_phase
 from lit_smd.kv import Compressor
 from lit_smd.losses.grpo import LossType, ScaleRewards, group_advantages, mismatch_stats, policy_loss
 from lit_smd.losses.kl import KLOutput, chunked_token_kl
@@ -104,6 +104,15 @@ class GRPOModule(LightningModule):
 
     Interface used by the data side (`lit_smd.datamodules.RolloutLearner`): ``policy``, ``compressor``,
     ``temperature`` and `make_experience`.
+
+    Observers: ``phase_listeners`` (`lit_smd.datamodules.rollout.PhaseListener`s, empty by default) are told when the
+    no-grad dense pass of SMD runs (phase ``"teacher"``) and, by the data side, when a rollout runs (``"rollout"``);
+    `lit_smd.callbacks.MemoryProfiler` registers one to measure each phase's peak memory.
+
+    Evaluation: `validation_step` / `test_step` compute nothing. ``trainer.validate`` / ``trainer.test`` (and the
+    periodic validation of ``fit``) visit batches of evaluation prompts (`RolloutDataModule.val_dataloader` /
+    `test_dataloader`), which `lit_smd.callbacks.GenerationEval` samples from and scores; without that callback
+    nothing is evaluated.
 
     Example, with rollouts from elsewhere (``batch_size=None``: each item already is a batch)::
 
@@ -198,6 +207,7 @@ class GRPOModule(LightningModule):
         self.policy: PreTrainedModel | None = policy if isinstance(policy, PreTrainedModel) else None
         self.reference: PreTrainedModel | None = reference if isinstance(reference, PreTrainedModel) else None
         self._learner_start: float | None = None
+        self.phase_listeners: list[PhaseListener] = []
         if self.policy is not None:
             self._prepare_policy()
         if self.reference is not None:
@@ -271,6 +281,22 @@ class GRPOModule(LightningModule):
                 self.log("reward", batch.metrics["rollout/reward_mean"], prog_bar=True, logger=False, batch_size=size)
         return loss
 
+    # ----------------------------------------------------------------------------------------------- evaluation
+
+    def validation_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """Nothing to compute: `lit_smd.callbacks.GenerationEval` samples from and scores the evaluation prompts.
+
+        Defined so that Lightning runs the validation loop over `RolloutDataModule.val_dataloader` batches; see the
+        class docstring.
+        """
+
+    def test_step(self, batch: dict[str, Any], batch_idx: int) -> None:
+        """Nothing to compute: `lit_smd.callbacks.GenerationEval` samples from and scores the evaluation prompts.
+
+        Defined so that Lightning runs the test loop over `RolloutDataModule.test_dataloader` batches; see the class
+        docstring.
+        """
+
     def smd_kl(self, rollout: Rollout, mask: Tensor, masked_hidden: Tensor | None = None) -> KLOutput:
         """SMD's distillation term between the dense and the shadow-masked views of the policy.
 
@@ -290,7 +316,7 @@ class GRPOModule(LightningModule):
             masked_hidden = completion_hidden_states(self.policy, rollout, shadow=True)  # [B, N, H]
         common = {"temperature": self.temperature, "mask": mask, "chunk_size": self.logits_chunk_size}
         if self.kl_stop_gradient == "dense":
-            with torch.no_grad():
+            with torch.no_grad(), report_phase(self, "teacher"):
                 dense_hidden = completion_hidden_states(self.policy, rollout, shadow=False)  # [B, N, H]
             return chunked_token_kl(
                 masked_hidden,

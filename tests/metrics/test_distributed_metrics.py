@@ -9,9 +9,19 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 from torchmetrics import Metric
 
-from lit_smd.metrics import AvgAtK, LogprobMismatch, PassAtK, ResponseLength, RougeL
+from lit_smd.metrics import (
+    QAF1,
+    AnswerAccuracy,
+    AvgAtK,
+    LogprobMismatch,
+    PassAtK,
+    QAExactMatch,
+    ResponseLength,
+    RougeL,
+    TokenEntropy,
+)
 
-_Data = TypeVar("_Data", torch.Tensor, list[str])
+_Data = TypeVar("_Data", torch.Tensor, list[str], list[list[str]])
 
 WORLD_SIZE = 2
 NUM_CORRECT = torch.tensor([0, 3, 8, 1, 5, 2, 8])  # out of 8 samples each; split unevenly between ranks
@@ -21,6 +31,12 @@ LEARNER = -torch.arange(1.0, 11.0).reshape(2, 5) / 3
 ROLLOUT = LEARNER + torch.linspace(-0.4, 0.5, 10).reshape(2, 5)
 PREDICTIONS = ["the cat sat", "a dog ran far", "funding was delayed", "nothing", "the report"]
 REFERENCES = ["the cat sat down", "a dog ran", "repairs were delayed by funding", "something", "a report"]
+ENTROPY = torch.linspace(0.1, 2.0, 12).reshape(3, 4)
+ENTROPY_MASK = torch.tensor([[True, True, False, False], [True, True, True, True], [True, False, False, False]])
+SOLUTIONS = ["so it is \\boxed{12}", "the answer is 7", "I give up", "#### 1,350"]
+ANSWERS = ["12", "8", "3", "1350"]
+QA_PREDICTIONS = ["The Silver River", "no", "Paris, France"]
+QA_ANSWERS = [["Silver River", "the silver river"], ["yes"], ["Paris"]]
 
 
 def _metrics(sync_on_compute: bool) -> dict[str, Metric]:
@@ -30,6 +46,10 @@ def _metrics(sync_on_compute: bool) -> dict[str, Metric]:
         "rouge": RougeL(sync_on_compute=sync_on_compute),
         "length": ResponseLength(sync_on_compute=sync_on_compute),
         "mismatch": LogprobMismatch(sync_on_compute=sync_on_compute),
+        "entropy": TokenEntropy(sync_on_compute=sync_on_compute),
+        "accuracy": AnswerAccuracy(sync_on_compute=sync_on_compute),
+        "qa_em": QAExactMatch(sync_on_compute=sync_on_compute),
+        "qa_f1": QAF1(sync_on_compute=sync_on_compute),
     }
 
 
@@ -44,6 +64,10 @@ def _update(metrics: dict[str, Metric], rank: int | None) -> None:
     metrics["rouge"].update(_part(PREDICTIONS, rank, 3), _part(REFERENCES, rank, 3))
     metrics["length"].update(_part(RESPONSE_LENGTHS, rank, 1), _part(TRUNCATED, rank, 1))
     metrics["mismatch"].update(_part(LEARNER, rank, 1), _part(ROLLOUT, rank, 1))
+    metrics["entropy"].update(_part(ENTROPY, rank, 1), _part(ENTROPY_MASK, rank, 1))
+    metrics["accuracy"].update(_part(SOLUTIONS, rank, 3), _part(ANSWERS, rank, 3))
+    metrics["qa_em"].update(_part(QA_PREDICTIONS, rank, 1), _part(QA_ANSWERS, rank, 1))
+    metrics["qa_f1"].update(_part(QA_PREDICTIONS, rank, 2), _part(QA_ANSWERS, rank, 2))
 
 
 def _results(metrics: dict[str, Metric]) -> dict[str, torch.Tensor]:
