@@ -57,7 +57,6 @@ Logged keys (every training step)
 import json
 import math
 import warnings
-from collections.abc import Callable, Iterable
 from dataclasses import replace
 from pathlib import Path
 from typing import Literal
@@ -71,9 +70,17 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from lit_smd.callbacks.entropy_curriculum import ProbeStats
 from lit_smd.datamodules.distill import PromptBatch
 from lit_smd.datamodules.teacher_cache import CachedBatch, CacheMetadata, teacher_topk_logprobs, tokenizer_fingerprint
+from lit_smd.losses.grpo import masked_mean
 from lit_smd.losses.kl import TailMode, chunked_token_kl, sampled_reverse_kl, topk_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.models import Quantization, load_causal_lm, load_tokenizer
+from lit_smd.modules._common import (
+    LRSchedulerCallable,
+    OptimizerCallable,
+    configure_optimizers,
+    freeze,
+    prepare_trainable,
+)
 from lit_smd.rollout import Rollout, completion_hidden_states, generate
 
 __all__ = ["DistillModule", "Estimator", "PrefixSource"]
@@ -81,8 +88,6 @@ __all__ = ["DistillModule", "Estimator", "PrefixSource"]
 PrefixSource = Literal["teacher", "student", "mix"]
 Estimator = Literal["full", "topk", "sampled"]
 ModelDType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
-OptimizerCallable = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
-LRSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 EXPORT_METADATA = "lit_smd_distill.json"
 
@@ -182,7 +187,7 @@ class DistillModule(LightningModule):
         if self.student is not None:
             self._prepare_student()
         if isinstance(teacher, PreTrainedModel):
-            self._frozen["teacher"] = _freeze(teacher)
+            self._frozen["teacher"] = freeze(teacher)
 
     # ------------------------------------------------------------------------------------- curriculum interface
 
@@ -223,7 +228,7 @@ class DistillModule(LightningModule):
         finally:
             self.student.train(was_training)
         return ProbeStats(
-            entropy=float(_masked_mean(entropy, rollout.completion_mask)),
+            entropy=float(masked_mean(entropy.detach().double(), rollout.completion_mask)),
             response_length=float(rollout.completion_lengths.double().mean()),
             truncated_fraction=float(rollout.truncated.double().mean()),
         )
@@ -313,7 +318,10 @@ class DistillModule(LightningModule):
                     chunk_size=chunk,
                 )  # fmt: skip
             loss = sampled_reverse_kl(logprobs, teacher_logprobs, mask)
-            metrics = {"distill/reverse_kl": loss.detach(), "distill/student_entropy": _masked_mean(entropy, mask)}
+            metrics = {
+                "distill/reverse_kl": loss.detach(),
+                "distill/student_entropy": masked_mean(entropy.detach().double(), mask),
+            }
         else:
             loss = out.loss
             metrics = {
@@ -322,20 +330,12 @@ class DistillModule(LightningModule):
                 "distill/student_entropy": out.student_entropy,
             }
         student_top1 = _chunked_argmax(student_hidden, head.weight, head.bias, chunk)  # [B, N]
-        metrics["distill/top1_agreement"] = _masked_mean((student_top1 == teacher_top1).double(), mask)
+        metrics["distill/top1_agreement"] = masked_mean((student_top1 == teacher_top1).double(), mask)
         return loss, metrics
 
     def configure_optimizers(self) -> object:
         """The injected optimizer (default AdamW, lr 1e-5) over the student, with the scheduler stepped per step."""
-        params = [p for p in self.student.parameters() if p.requires_grad]
-        if self.optimizer_factory is None:
-            optimizer = torch.optim.AdamW(params, lr=1e-5, weight_decay=0.0)
-        else:
-            optimizer = self.optimizer_factory(params)
-        if self.lr_scheduler_factory is None:
-            return optimizer
-        scheduler = self.lr_scheduler_factory(optimizer)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return configure_optimizers(self.student, self.optimizer_factory, self.lr_scheduler_factory, default_lr=1e-5)
 
     # ------------------------------------------------------------------------------------------------- hooks
 
@@ -345,7 +345,7 @@ class DistillModule(LightningModule):
             self.student = load_causal_lm(self._student_source, dtype=self.model_dtype)
             self._prepare_student()
         if self.teacher is None and self._teacher_source is not None:
-            self._frozen["teacher"] = _freeze(
+            self._frozen["teacher"] = freeze(
                 load_causal_lm(self._teacher_source, dtype=self.model_dtype, quantization=self.teacher_quantization)
             )
         self._check_models()
@@ -432,14 +432,9 @@ class DistillModule(LightningModule):
     # --------------------------------------------------------------------------------------------------- helpers
 
     def _prepare_student(self) -> None:
-        if self.disable_dropout:
-            for module in self.student.modules():
-                if isinstance(module, torch.nn.Dropout):
-                    module.p = 0.0
-                if isinstance(getattr(module, "attention_dropout", None), float):
-                    module.attention_dropout = 0.0
-        if self.gradient_checkpointing:
-            self.student.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        prepare_trainable(
+            self.student, disable_dropout=self.disable_dropout, gradient_checkpointing=self.gradient_checkpointing
+        )
 
     def _check_models(self) -> None:
         vocab_size = self.student.get_output_embeddings().weight.shape[0]
@@ -507,19 +502,9 @@ def _chunked_argmax(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk_s
     return torch.cat(top).view(hidden.shape[:-1])
 
 
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    return torch.where(mask, x.detach().double(), 0.0).sum() / mask.sum().clamp(min=1)
-
-
 def _seed(*parts: int) -> int:
     """A deterministic 63-bit seed from integers (the hash of an int tuple does not depend on PYTHONHASHSEED)."""
     return hash(parts) % 2**63
-
-
-def _freeze(model: PreTrainedModel) -> PreTrainedModel:
-    model.eval()
-    model.requires_grad_(False)
-    return model
 
 
 def _check_init_args(

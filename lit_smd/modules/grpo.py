@@ -70,7 +70,6 @@ import copy
 import math
 import time
 import warnings
-from collections.abc import Callable, Iterable
 from typing import Any, Literal
 
 import torch
@@ -80,11 +79,18 @@ from transformers import PreTrainedModel
 
 from lit_smd.datamodules.rollout import Experience, PhaseListener, report_phase
 from lit_smd.kv import Compressor
-from lit_smd.losses.grpo import LossType, ScaleRewards, group_advantages, mismatch_stats, policy_loss
+from lit_smd.losses.grpo import LossType, ScaleRewards, group_advantages, masked_mean, mismatch_stats, policy_loss
 from lit_smd.losses.kl import KLOutput, chunked_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.losses.sparse_rl import SparseRLConfig, sparse_rl_correction
 from lit_smd.models import load_causal_lm
+from lit_smd.modules._common import (
+    LRSchedulerCallable,
+    OptimizerCallable,
+    configure_optimizers,
+    freeze,
+    prepare_trainable,
+)
 from lit_smd.rollout import Rollout, completion_hidden_states
 
 __all__ = ["GRPOModule", "Mode"]
@@ -92,8 +98,6 @@ __all__ = ["GRPOModule", "Mode"]
 Mode = Literal["dense", "naive", "sparse_rl", "smd"]
 KLStopGradient = Literal["dense", "masked"]
 ModelDType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
-OptimizerCallable = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
-LRSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 
 class GRPOModule(LightningModule):
     """GRPO learner for dense, naive, Sparse-RL and SMD training on (compressed-cache) rollouts.
@@ -211,7 +215,7 @@ class GRPOModule(LightningModule):
         if self.policy is not None:
             self._prepare_policy()
         if self.reference is not None:
-            _freeze(self.reference)
+            freeze(self.reference)
 
     # -------------------------------------------------------------------------------------------------- forward
 
@@ -255,7 +259,7 @@ class GRPOModule(LightningModule):
         metrics = {
             "train/policy_loss": out.policy_loss,
             "train/kl_ref": out.kl,
-            "train/entropy": _masked_mean(entropy, rollout.completion_mask),
+            "train/entropy": masked_mean(entropy.detach(), rollout.completion_mask),
             "train/clip_fraction": out.clip_fraction,
             "train/clip_low_fraction": out.clip_low_fraction,
             "train/clip_high_fraction": out.clip_high_fraction,
@@ -342,15 +346,7 @@ class GRPOModule(LightningModule):
 
     def configure_optimizers(self) -> object:
         """The injected optimizer (default AdamW, lr 1e-6) over the policy, with the scheduler stepped per step."""
-        params = [p for p in self.policy.parameters() if p.requires_grad]
-        if self.optimizer_factory is None:
-            optimizer = torch.optim.AdamW(params, lr=1e-6, weight_decay=0.0)
-        else:
-            optimizer = self.optimizer_factory(params)
-        if self.lr_scheduler_factory is None:
-            return optimizer
-        scheduler = self.lr_scheduler_factory(optimizer)
-        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+        return configure_optimizers(self.policy, self.optimizer_factory, self.lr_scheduler_factory, default_lr=1e-6)
 
     # ------------------------------------------------------------------------------------------------- hooks
 
@@ -360,15 +356,14 @@ class GRPOModule(LightningModule):
             self.policy = load_causal_lm(self._policy_source, dtype=self.model_dtype)
             self._prepare_policy()
         if self.reference is None and self._reference_source is not None:
-            self.reference = _freeze(load_causal_lm(self._reference_source, dtype=self.model_dtype))
+            self.reference = freeze(load_causal_lm(self._reference_source, dtype=self.model_dtype))
         if self.reference is None and self.beta > 0:
-            self.reference = _freeze(copy.deepcopy(self.policy))
+            self.reference = freeze(copy.deepcopy(self.policy))
 
     def _prepare_policy(self) -> None:
-        if self.disable_dropout:
-            _disable_dropout(self.policy)
-        if self.gradient_checkpointing:
-            self.policy.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+        prepare_trainable(
+            self.policy, disable_dropout=self.disable_dropout, gradient_checkpointing=self.gradient_checkpointing
+        )
 
     def on_fit_start(self) -> None:
         # from_pretrained returns eval-mode models and Lightning keeps the mode it finds; the learner trains in train
@@ -531,25 +526,6 @@ def _rollout_metrics(
             rollout.prompt_lengths, rollout.completion_mask
         )
     return {key: float(value) for key, value in metrics.items()}
-
-
-def _masked_mean(x: Tensor, mask: Tensor) -> Tensor:
-    return torch.where(mask, x, 0.0).sum() / mask.sum().clamp(min=1)
-
-
-def _freeze(model: PreTrainedModel) -> PreTrainedModel:
-    model.eval()
-    model.requires_grad_(False)
-    return model
-
-
-def _disable_dropout(model: torch.nn.Module) -> None:
-    """Zero ``nn.Dropout`` probabilities and the float ``attention_dropout`` of Hugging Face attention modules."""
-    for module in model.modules():
-        if isinstance(module, torch.nn.Dropout):
-            module.p = 0.0
-        if isinstance(getattr(module, "attention_dropout", None), float):
-            module.attention_dropout = 0.0
 
 
 def _synchronize(device: torch.device) -> None:
