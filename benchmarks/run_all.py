@@ -30,6 +30,7 @@ PARTS = {
     "speed": "bench_rollout_speed.py",
     "masked_attention": "bench_masked_attention.py",
     "kl_loss": "bench_kl_loss.py",
+    "teacher_cache": "bench_teacher_cache.py",
 }
 """Part name -> script in this folder."""
 
@@ -44,6 +45,7 @@ QUICK_ARGS = {
               "--compressors", "recent", "--window", "8", "--repeats", "1"],
     "masked_attention": ["--models", "tiny", "--seq-lens", "128", "--repeats", "1"],
     "kl_loss": ["--vocab", "1024", "--tokens", "64", "--hidden", "64", "--repeats", "1"],
+    "teacher_cache": ["--vocab-size", "1024", "--max-new-tokens", "8", "--steps", "1"],
 }
 """Smallest flags per part (``--quick``); a few seconds each on CPU."""
 

@@ -69,3 +69,10 @@ def test_masked_attention_benchmark(run_all, tmp_path):
 def test_quick_args_cover_every_part(run_all):
     assert set(run_all.QUICK_ARGS) == set(run_all.PARTS)
     assert all((BENCHMARKS / script).is_file() for script in run_all.PARTS.values())
+
+
+def test_teacher_cache_benchmark(run_all, tmp_path):
+    results = {r["variant"]: r for r in _run(run_all, "teacher_cache", tmp_path)["results"]}
+    assert set(results) == {"storage", "cached", "online_score", "online"}
+    assert 0 < results["storage"]["bytes_per_token"] < results["storage"]["full_bf16_bytes_per_token"]
+    assert results["cached"]["tokens_per_s"] > 0
