@@ -1,7 +1,9 @@
-"""LightningDataModules: on-policy rollout experience for GRPO; prompts and the teacher-logit cache for distillation."""
+"""LightningDataModules: on-policy rollout experience for GRPO; prompts and the teacher-logit cache for distillation;
+prompt / target rows for supervised fine-tuning."""
 
 from lit_smd.datamodules.distill import DistillDataModule, ProbeSource, PromptBatch
 from lit_smd.datamodules.rollout import Experience, ExperienceStream, RolloutDataModule, RolloutLearner
+from lit_smd.datamodules.sft import SupervisedDataModule
 from lit_smd.datamodules.teacher_cache import (
     CachedBatch,
     CacheMetadata,
@@ -23,6 +25,7 @@ __all__ = [
     "PromptBatch",
     "RolloutDataModule",
     "RolloutLearner",
+    "SupervisedDataModule",
     "TeacherCacheDataModule",
     "TeacherCacheError",
     "build_teacher_cache",

@@ -5,55 +5,107 @@ them, and both are scored by :func:`lit_smd.rewards.math_answer_reward` against 
 
 - :func:`key_value_retrieval`: a long list of ``key<k>=<v>;`` pairs followed by a query for one key. Exactly one pair
   matters and it sits anywhere in the prompt (its index is the ``position`` column), so which keys a compressor keeps
-  decides the reward: the smallest setting in which dense and compressed rollouts differ.
+  decides the reward: the smallest setting in which dense and compressed rollouts differ. ``style="compact"`` writes
+  the pairs as ``<digit key><digit value>`` (``"307 512 183 1"`` -> ``"83"``), a format tiny models learn in minutes;
+  ``num_queries > 1`` adds multi-query (MQAR) turns for a supervised warm-up.
 - :func:`arithmetic`: word-free GSM8K-format problems (``What is 12 + 7 * 3?``) with a worked ``solution`` that ends in
   ``#### <answer>``, for a supervised warm-up before RL.
 
 Columns: ``prompt`` (str), ``answer`` (str), ``solution`` (str, the supervised target: the bare value for retrieval),
-and for retrieval also ``position`` (int).
+and for retrieval also ``position`` (int), plus ``query_prompts`` / ``query_answers`` (lists of str) with
+``num_queries > 1``.
 """
 
 import random
+from typing import Literal
 
 from datasets import Dataset
 
 _OPERATORS = frozenset("+-*")
 
+RetrievalStyle = Literal["verbose", "compact"]
+"""Formats of `key_value_retrieval`: ``key17=583; ...`` with a ``key17?`` query, or ``183 ...`` with a ``1`` query."""
+
 
 def key_value_retrieval(
-    size: int, num_pairs: int = 32, num_keys: int = 1000, max_value: int = 999, seed: int = 0
+    size: int,
+    num_pairs: int = 32,
+    num_keys: int | None = None,
+    max_value: int = 999,
+    seed: int = 0,
+    style: RetrievalStyle = "verbose",
+    num_queries: int = 1,
 ) -> Dataset:
     """Key-value retrieval prompts: ``key17=583; key4=12; ... key9=31;`` then ``key17?``, answer ``583``.
 
     Keys are distinct within a prompt; the queried pair is drawn uniformly, so it is equally likely to be early (the
     part of the prompt a recency-based compressor drops first) or late.
 
+    ``style="compact"`` is the tiny-model format: single-digit keys, values zero-padded to the width of
+    ``max_value``, each pair written as one word ``<key><value>``, and the query is the bare key, so the answer is
+    what follows the earlier occurrence of the last token (an induction-head lookup): ``"37 52 18 94 1"`` -> ``"8"``
+    with ``max_value=9``, ``"307 512 183 946 1"`` -> ``"83"`` with ``max_value=99``. Every answer digit after the
+    first is generated from the (compressed) cache, so compression matters even for these short answers. A 2-layer,
+    hidden-64 model learns it from multi-query turns in a few hundred steps, where single queries leave it at the
+    "one of the listed values" plateau for thousands of steps; keys and values from the same alphabet matter too
+    (letter keys with digit values stalled in the same budget).
+
+    ``num_queries > 1`` adds the multi-query (MQAR, Arora et al., arXiv 2312.04927) version of each row as turns:
+    ``query_prompts[0]`` is ``prompt`` and ``query_answers[0]`` is ``answer``; each later turn asks another listed key
+    (drawn with replacement): ``"\nkey4?"`` -> ``"12"``, or ``" 5"`` -> ``"12"`` in compact style, so the
+    concatenated turns read ``"307 512 183 946 183 512 ..."``. `lit_smd.datamodules.SupervisedDataModule` trains on
+    such turns (loss on the answers only); ``prompt`` / ``answer`` stay the single-query task.
+
     Args:
         size: Number of rows.
-        num_pairs: Pairs per prompt; prompt length grows linearly with it (about 11 characters per pair).
-        num_keys: Keys are drawn from ``key0`` ... ``key{num_keys - 1}``; must be at least ``num_pairs``.
+        num_pairs: Pairs per prompt; prompt length grows linearly with it (about 11 characters per pair, 2 plus the
+            value width in compact style).
+        num_keys: Keys are drawn from ``key0`` ... ``key{num_keys - 1}`` (digits ``0`` ... ``num_keys - 1`` in compact
+            style); at least ``num_pairs``, at most 10 in compact style. None means 1000 (verbose) or 10 (compact).
         max_value: Values are integers in ``[0, max_value]``.
         seed: Seed of the generator; the same arguments always give the same rows.
+        style: ``"verbose"`` or ``"compact"`` (see above).
+        num_queries: Queries per row in ``query_prompts`` / ``query_answers``; 1 adds no such columns.
 
     Returns:
         A dataset with columns ``prompt``, ``answer``, ``solution`` (equal to ``answer``) and ``position`` (index of
-        the queried pair, 0-based).
+        the queried pair, 0-based), and ``query_prompts`` / ``query_answers`` when ``num_queries > 1``.
     """
+    if style not in ("verbose", "compact"):
+        raise ValueError(f"style must be 'verbose' or 'compact', got {style!r}")
+    compact = style == "compact"
+    if num_keys is None:
+        num_keys = 10 if compact else 1000
     if num_pairs < 1 or num_keys < num_pairs:
         raise ValueError(f"need 1 <= num_pairs <= num_keys, got num_pairs={num_pairs}, num_keys={num_keys}")
+    if compact and num_keys > 10:
+        raise ValueError(f"compact keys are single digits: num_keys must be <= 10, got {num_keys}")
     if max_value < 0:
         raise ValueError(f"max_value must be non-negative, got {max_value}")
+    if num_queries < 1:
+        raise ValueError(f"num_queries must be >= 1, got {num_queries}")
+    width = len(str(max_value))
     rng = random.Random(seed)
     rows: dict[str, list] = {"prompt": [], "answer": [], "solution": [], "position": []}
+    if num_queries > 1:
+        rows |= {"query_prompts": [], "query_answers": []}
     for _ in range(size):
         keys = rng.sample(range(num_keys), num_pairs)
-        values = [rng.randint(0, max_value) for _ in keys]
+        values = [f"{rng.randint(0, max_value):0{width}d}" if compact else str(rng.randint(0, max_value)) for _ in keys]
         position = rng.randrange(num_pairs)
-        pairs = " ".join(f"key{k}={v};" for k, v in zip(keys, values, strict=True))
-        rows["prompt"].append(f"{pairs}\nkey{keys[position]}?")
-        rows["answer"].append(str(values[position]))
-        rows["solution"].append(str(values[position]))
+        if compact:
+            prompt = " ".join(f"{k}{v}" for k, v in zip(keys, values, strict=True)) + f" {keys[position]}"
+        else:
+            prompt = " ".join(f"key{k}={v};" for k, v in zip(keys, values, strict=True)) + f"\nkey{keys[position]}?"
+        rows["prompt"].append(prompt)
+        rows["answer"].append(values[position])
+        rows["solution"].append(values[position])
         rows["position"].append(position)
+        if num_queries > 1:
+            asked = [rng.randrange(num_pairs) for _ in range(num_queries - 1)]
+            follow_ups = [f" {keys[i]}" if compact else f"\nkey{keys[i]}?" for i in asked]
+            rows["query_prompts"].append([prompt, *follow_ups])
+            rows["query_answers"].append([values[i] for i in (position, *asked)])
     return Dataset.from_dict(rows)
 
 
