@@ -91,6 +91,18 @@ TINY_CHAT_TEMPLATE = (
 """ChatML (the Qwen format): each turn is `<|im_start|>{role}\\n{content}<|im_end|>\\n`."""
 
 
+def single_token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
+    """The id of ``token``, which must be one token of ``tokenizer`` (e.g. a chat stop token such as ``<|im_end|>``).
+
+    Raises:
+        ValueError: ``token`` is not a single token of the tokenizer (it would map to the unknown token).
+    """
+    token_id = tokenizer.convert_tokens_to_ids(token)
+    if token_id is None or (token_id == tokenizer.unk_token_id and token != tokenizer.unk_token):
+        raise ValueError(f"stop_tokens: {token!r} is not a single token of the tokenizer")
+    return token_id
+
+
 def load_tokenizer(
     name_or_path: str,
     *,

@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from lit_smd.models import load_tokenizer
+from lit_smd.models import load_tokenizer, single_token_id
 from lit_smd.tasks.datasets import TASKS, load_rows, load_task, prepare_prompts
 
 __all__ = ["DistillDataModule", "ProbeSource", "PromptBatch", "left_pad"]
@@ -133,17 +133,12 @@ class DistillDataModule(LightningDataModule):
         self.num_probe_prompts = num_probe_prompts
         self.shuffle = shuffle
         self.seed = seed
-        eos_ids = {self.tokenizer.eos_token_id, *map(self._token_id, stop_tokens or [])}
+        stop_ids = [single_token_id(self.tokenizer, token) for token in stop_tokens or []]
+        eos_ids = {self.tokenizer.eos_token_id, *stop_ids}
         self.eos_token_ids = tuple(sorted(i for i in eos_ids if i is not None))
         self.pad_token_id: int = self.tokenizer.pad_token_id
         self.prompts: Dataset | None = None
         self.prompt_ids: list[list[int]] = []
-
-    def _token_id(self, token: str) -> int:
-        token_id = self.tokenizer.convert_tokens_to_ids(token)
-        if token_id is None or (token_id == self.tokenizer.unk_token_id and token != self.tokenizer.unk_token):
-            raise ValueError(f"stop_tokens: {token!r} is not a single token of the tokenizer")
-        return token_id
 
     @property
     def num_train_prompts(self) -> int:

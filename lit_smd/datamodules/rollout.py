@@ -59,7 +59,7 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from lit_smd.models import load_tokenizer
+from lit_smd.models import load_tokenizer, single_token_id
 from lit_smd.rewards.combine import RewardFn, WeightedRewards
 from lit_smd.rollout import Rollout, generate
 from lit_smd.tasks.datasets import TASKS, load_rows, load_task, prepare_prompts
@@ -283,7 +283,7 @@ class RolloutDataModule(LightningDataModule):
         self.max_prompt_tokens = max_prompt_tokens
         self.num_iterations = num_iterations
         self.minibatch_size = minibatch_size
-        self.stop_token_ids = [self._token_id(token) for token in stop_tokens or []]
+        self.stop_token_ids = [single_token_id(self.tokenizer, token) for token in stop_tokens or []]
         self.use_chat_template = use_chat_template
         self.system_prompt = system_prompt
         self.seed = seed
@@ -295,12 +295,6 @@ class RolloutDataModule(LightningDataModule):
         self.prompts: Dataset | None = None
         self.prompt_lengths: list[int] = []
         self.num_filtered: dict[str, int] = {}
-
-    def _token_id(self, token: str) -> int:
-        token_id = self.tokenizer.convert_tokens_to_ids(token)
-        if token_id is None or (token_id == self.tokenizer.unk_token_id and token != self.tokenizer.unk_token):
-            raise ValueError(f"stop token {token!r} is not a single token of the tokenizer")
-        return token_id
 
     @property
     def templated(self) -> bool:
