@@ -22,7 +22,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from lit_smd.models import load_tokenizer, single_token_id
-from lit_smd.tasks.datasets import TASKS, load_rows, load_task, prepare_prompts
+from lit_smd.tasks.datasets import prepare_prompts, resolve_dataset
 
 __all__ = ["DistillDataModule", "ProbeSource", "PromptBatch", "left_pad"]
 
@@ -149,11 +149,7 @@ class DistillDataModule(LightningDataModule):
         """Build, template, filter and tokenize the prompts (idempotent)."""
         if self.prompts is not None:
             return
-        if isinstance(self.dataset, str):
-            loader = load_task if self.dataset in TASKS else load_rows
-            raw = loader(self.dataset, **self.dataset_kwargs)
-        else:
-            raw = self.dataset
+        raw = resolve_dataset(self.dataset, **self.dataset_kwargs)
         if "prompt" not in raw.column_names:
             raise ValueError(f"the prompt dataset needs a 'prompt' column, got columns {raw.column_names}")
         templated = self.use_chat_template and getattr(self.tokenizer, "chat_template", None) is not None

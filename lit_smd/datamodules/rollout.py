@@ -62,7 +62,7 @@ from transformers import PreTrainedTokenizerBase
 from lit_smd.models import load_tokenizer, single_token_id
 from lit_smd.rewards.combine import RewardFn, WeightedRewards
 from lit_smd.rollout import Rollout, generate
-from lit_smd.tasks.datasets import TASKS, load_rows, load_task, prepare_prompts
+from lit_smd.tasks.datasets import prepare_prompts, resolve_dataset
 
 __all__ = ["Experience", "ExperienceStream", "PhaseListener", "RolloutDataModule", "RolloutLearner", "report_phase"]
 
@@ -314,11 +314,7 @@ class RolloutDataModule(LightningDataModule):
         """
         if self.prompts is not None or stage in ("validate", "test"):
             return
-        if isinstance(self.dataset, str):
-            loader = load_task if self.dataset in TASKS else load_rows
-            raw = loader(self.dataset, **self.dataset_kwargs)
-        else:
-            raw = self.dataset
+        raw = resolve_dataset(self.dataset, **self.dataset_kwargs)
         if "prompt" not in raw.column_names:
             raise ValueError(f"the prompt dataset needs a 'prompt' column, got columns {raw.column_names}")
         prepared, too_long = prepare_prompts(
@@ -370,10 +366,7 @@ class RolloutDataModule(LightningDataModule):
         source, kwargs = self.eval_datasets[split]
         if source is None:
             return []
-        if isinstance(source, str):
-            raw = (load_task if source in TASKS else load_rows)(source, **kwargs)
-        else:
-            raw = source
+        raw = resolve_dataset(source, **kwargs)
         if "prompt" not in raw.column_names:
             raise ValueError(f"the {split}_dataset needs a 'prompt' column, got columns {raw.column_names}")
         prepared, _ = prepare_prompts(

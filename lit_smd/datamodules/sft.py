@@ -28,7 +28,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from lit_smd.models import load_tokenizer
-from lit_smd.tasks.datasets import TASKS, load_rows, load_task, prepare_prompts
+from lit_smd.tasks.datasets import prepare_prompts, resolve_dataset
 
 __all__ = ["IGNORE_INDEX", "SupervisedDataModule"]
 
@@ -129,9 +129,9 @@ class SupervisedDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Load and tokenize the training and validation rows (idempotent)."""
         if self.train_rows is None:
-            self.train_rows = self.encode(self._load(self.dataset, self.dataset_kwargs), "train")
+            self.train_rows = self.encode(resolve_dataset(self.dataset, **self.dataset_kwargs), "train")
         if self.val_rows is None and self.val_dataset is not None:
-            raw = self._load(self.val_dataset, self.val_dataset_kwargs)
+            raw = resolve_dataset(self.val_dataset, **self.val_dataset_kwargs)
             self.val_rows = self.encode(raw, "val", self.val_prompt_column, self.val_target_column)
 
     def train_dataloader(self) -> DataLoader:
@@ -208,11 +208,6 @@ class SupervisedDataModule(LightningDataModule):
             labels[index, :length] = torch.tensor(row["labels"])
             attention_mask[index, :length] = 1
         return {"input_ids": input_ids, "labels": labels, "attention_mask": attention_mask}
-
-    def _load(self, dataset: str | Dataset, kwargs: dict[str, Any]) -> Dataset:
-        if not isinstance(dataset, str):
-            return dataset
-        return (load_task if dataset in TASKS else load_rows)(dataset, **kwargs)
 
     def _encode_rows(
         self, prompts: list[str] | list[list[str]], targets: list[str] | list[list[str]]

@@ -9,6 +9,7 @@ from lit_smd.tasks.datasets import (
     load_rows,
     load_task,
     prepare_prompts,
+    resolve_dataset,
     tldr,
 )
 from lit_smd.tasks.synthetic import arithmetic, key_value_retrieval
@@ -24,5 +25,6 @@ __all__ = [
     "load_rows",
     "load_task",
     "prepare_prompts",
+    "resolve_dataset",
     "tldr",
 ]

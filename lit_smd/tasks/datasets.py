@@ -257,6 +257,14 @@ def load_task(task: str, **kwargs: Any) -> Dataset:
     return TASKS[task](**kwargs)
 
 
+def resolve_dataset(dataset: str | Dataset, **kwargs: Any) -> Dataset:
+    """The rows a DataModule argument names: a `Dataset` as is, a :data:`TASKS` name built with ``kwargs``, or else a
+    hub id / local data file read by `load_rows` with ``kwargs``."""
+    if not isinstance(dataset, str):
+        return dataset
+    return (load_task if dataset in TASKS else load_rows)(dataset, **kwargs)
+
+
 def prepare_prompts(
     dataset: Dataset,
     tokenizer: PreTrainedTokenizerBase | None = None,

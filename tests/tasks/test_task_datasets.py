@@ -123,3 +123,15 @@ def test_prepare_prompts_filters_by_token_length(
     assert dropped == 3 and len(templated) == 0  # the template's tokens count too
     with pytest.raises(ValueError, match="needs a tokenizer"):
         prepare_prompts(dataset, max_prompt_tokens=10)
+
+
+def test_resolve_dataset_by_task_name_path_or_object():
+    from datasets import Dataset
+
+    from lit_smd.tasks import resolve_dataset
+
+    rows = Dataset.from_dict({"prompt": ["a"]})
+    assert resolve_dataset(rows) is rows
+    assert len(resolve_dataset("arithmetic", size=3, seed=0)) == 3
+    fixture = Path(__file__).resolve().parents[1] / "fixtures" / "gsm8k.jsonl"
+    assert "question" in resolve_dataset(str(fixture)).column_names
