@@ -24,7 +24,7 @@ from lightning.pytorch.cli import ArgsType, LightningCLI
 
 from lit_smd.datamodules.teacher_cache import CacheMetadata, build_teacher_cache
 
-__all__ = ["LitSmdCLI", "cache_teacher", "main"]
+__all__ = ["LitSmdCLI", "cache_teacher", "console_main", "main"]
 
 
 class LitSmdCLI(LightningCLI):
@@ -69,3 +69,8 @@ def cache_teacher(args: list[str]) -> CacheMetadata:
         f"completion tokens, {metadata.total_bytes / 2**20:.1f} MiB ({metadata.bytes_per_token:.1f} bytes/token)"
     )
     return metadata
+
+
+def console_main() -> None:
+    """The ``lit-smd`` console script: `main` on ``sys.argv`` (returns None, so the exit status is 0 on success)."""
+    main()
