@@ -195,7 +195,7 @@ def _check_generate_args(
     if bool((mask[:, :-1] & ~mask[:, 1:]).any()):
         raise ValueError("prompts must be left-padded: attention_mask rows must look like [0, ..., 0, 1, ..., 1]")
     if compressor is not None:
-        if not hasattr(compressor, "prefill_scores"):
+        if not isinstance(compressor, Compressor):
             raise ValueError(f"compressor must be one of lit_smd.kv.COMPRESSORS or None, got {compressor!r}")
         shortest = int(mask.sum(dim=1).min())
         if shortest < compressor.min_prompt_length:
