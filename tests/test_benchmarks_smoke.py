@@ -76,3 +76,11 @@ def test_teacher_cache_benchmark(run_all, tmp_path):
     assert set(results) == {"storage", "cached", "online_score", "online"}
     assert 0 < results["storage"]["bytes_per_token"] < results["storage"]["full_bf16_bytes_per_token"]
     assert results["cached"]["tokens_per_s"] > 0
+
+
+def test_learner_overhead_benchmark(run_all, tmp_path):
+    results = {r["mode"]: r for r in _run(run_all, "learner_overhead", tmp_path)["results"]}
+    assert set(results) == {"dense", "naive", "sparse_rl", "smd", "smd_no_kl"}
+    for row in results.values():  # one timed iteration (--repeats 1): the iteration is the sum of its parts
+        assert row["iteration_s"] == pytest.approx(row["rollout_s"] + row["experience_s"] + row["learner_s"])
+        assert min(row["rollout_s"], row["learner_s"]) > 0
