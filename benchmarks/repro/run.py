@@ -1,0 +1,82 @@
+"""The whole miniature reproduction: the SMD table, then the distillation table, then the published copy.
+
+Runs `smd_table.py` and `distill_table.py` at their defaults (both resumable: cells already in ``--out`` are kept),
+then writes their tables, JSON and PNG curves to ``--publish`` (``docs/results/`` in the repository) with a
+``run_info.md`` that records the command, the commit, the machine and the measured wall-clock and CPU time.
+The analysis in ``docs/results/README.md`` is written by hand from these files.
+
+Usage::
+
+    python benchmarks/repro/run.py                       # about an hour on 2 CPU cores; out/repro, docs/results
+    python benchmarks/repro/run.py --seeds 0 1 2         # more seeds (any flag both tables share)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+import distill_table  # noqa: E402
+import smd_table  # noqa: E402
+from _runner import ROOT  # noqa: E402
+
+PUBLISHED = ("smd_table.md", "smd_table.json", "distill_table.md", "distill_table.json", "distill_curves.png")
+
+
+def _commit() -> str:
+    try:
+        out = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True)
+        dirty = subprocess.run(["git", "status", "--porcelain", "lit_smd"], cwd=ROOT, capture_output=True, text=True)
+    except OSError:
+        return "unknown"
+    return out.stdout.strip() + (" (lit_smd/ modified)" if dirty.stdout.strip() else "")
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--out", default=str(ROOT / "out" / "repro"))
+    parser.add_argument("--publish", default=str(ROOT / "docs" / "results"), help="'' to skip publishing")
+    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--jobs", type=int, default=2)
+    args = parser.parse_args(argv)
+    shared = ["--out", args.out, "--jobs", str(args.jobs), "--seeds", *map(str, args.seeds)]
+    start, cpu_start = time.perf_counter(), os.times()
+    smd_table.main(shared)
+    distill_table.main(shared)
+    wall, cpu_end = time.perf_counter() - start, os.times()
+    cpu = (cpu_end.children_user + cpu_end.children_system) - (cpu_start.children_user + cpu_start.children_system)
+    if not args.publish:
+        return
+    publish, out = Path(args.publish), Path(args.out)
+    publish.mkdir(parents=True, exist_ok=True)
+    names = list(PUBLISHED) + [p.name for p in out.glob("smd_curves_*.png")]
+    for name in names:
+        if (out / name).exists():
+            shutil.copyfile(out / name, publish / name)
+    cells = [json.loads(p.read_text()) for p in (out / "cells").glob("*.json")]
+    cell_s = sum(c.get("train_s", 0) + c.get("eval_s", 0) for c in cells)
+    (publish / "run_info.md").write_text(
+        "# Run information\n\n"
+        f"- command: `python benchmarks/repro/run.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n"
+        f"- commit: {_commit()}\n"
+        f"- machine: {platform.platform()}, {os.cpu_count()} CPUs, Python {platform.python_version()}\n"
+        f"- wall clock (this invocation; cells already in {out.name}/ were not rerun): {wall / 60:.1f} min\n"
+        f"- CPU time of the training processes (this invocation): {cpu / 60:.1f} min\n"
+        f"- the {len(cells)} cells' own training + evaluation time, summed (process start-up excluded; "
+        f"{args.jobs} ran at a time): {cell_s / 60:.1f} min\n"
+    )
+    print(f"published {len(names)} files and run_info.md to {publish}")
+
+
+if __name__ == "__main__":
+    main()
