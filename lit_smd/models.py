@@ -16,9 +16,11 @@ Tests and the CPU quickstart cannot reach the hub, so this module also builds ev
   exercised on a local directory (`load_causal_lm(directory)`, `load_tokenizer(directory)`).
 
 Quantization (bitsandbytes 8-bit / 4-bit) is for frozen teachers and reference models on CUDA only.
+LoRA adapters for the trained model are in `lit_smd.lora`.
 """
 
 import os
+import re
 import string
 from collections.abc import Sequence
 from pathlib import Path
@@ -91,6 +93,29 @@ TINY_CHAT_TEMPLATE = (
 """ChatML (the Qwen format): each turn is `<|im_start|>{role}\\n{content}<|im_end|>\\n`."""
 
 
+_HUB_ID = re.compile(r"[\w][\w.-]*(/[\w][\w.-]*)?")
+"""The form of a hub repository id: ``name`` or ``owner/name``."""
+
+
+def check_pretrained_source(name_or_path: str, parameter: str) -> None:
+    """Fail fast on a model / tokenizer source that can be neither loaded from disk nor from the hub.
+
+    Args:
+        name_or_path: A local path or a hub id.
+        parameter: The argument that holds it, named in the error (e.g. ``"policy"``).
+
+    Raises:
+        ValueError: ``name_or_path`` does not exist locally and is not of the form ``name`` / ``owner/name`` (a
+            mistyped local path, caught before the hub is asked for it).
+    """
+    if os.path.exists(os.path.expanduser(name_or_path)) or _HUB_ID.fullmatch(name_or_path):
+        return
+    raise ValueError(
+        f"{parameter}={name_or_path!r} is neither an existing local path nor a hub id ('name' or 'owner/name'); "
+        "check the path"
+    )
+
+
 def single_token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
     """The id of ``token``, which must be one token of ``tokenizer`` (e.g. a chat stop token such as ``<|im_end|>``).
 
@@ -124,8 +149,10 @@ def load_tokenizer(
         The tokenizer, with a pad token and `padding_side == "left"`.
 
     Raises:
-        ValueError: If the tokenizer has neither a pad nor an eos token.
+        ValueError: If the tokenizer has neither a pad nor an eos token, or ``name_or_path`` is neither an existing
+            path nor a hub id.
     """
+    check_pretrained_source(name_or_path, "tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(
         name_or_path, revision=revision, trust_remote_code=trust_remote_code, padding_side="left"
     )
@@ -170,11 +197,13 @@ def load_causal_lm(
         The model in eval mode.
 
     Raises:
-        ValueError: If `dtype` or `quantization` is not a valid value, if `quantization` is set without CUDA, or if
-            the model class does not support the requested attention implementation.
+        ValueError: If `dtype` or `quantization` is not a valid value, if `quantization` is set without CUDA, if
+            `name_or_path` is neither an existing path nor a hub id, or if the model class does not support the
+            requested attention implementation.
     """
     torch_dtype = _resolve_dtype(dtype)
     quantization_config = _quantization_config(quantization, torch_dtype)
+    check_pretrained_source(name_or_path, "name_or_path")
     if quantization_config is not None and device_map is None:
         device_map = {"": torch.cuda.current_device()}
     config = AutoConfig.from_pretrained(name_or_path, revision=revision, trust_remote_code=trust_remote_code)
@@ -194,6 +223,28 @@ def load_causal_lm(
     if model_class is None:  # remote code: the class is only known once loaded
         _check_attention_backend(type(model), attn_implementation)
     return model
+
+
+def check_quantization(quantization: str | None, parameter: str) -> None:
+    """Fail fast, before any weights are read, on a quantization setting that cannot load.
+
+    Args:
+        quantization: None, "8bit" or "4bit".
+        parameter: The argument that holds it, named in the error (e.g. ``"reference_quantization"``).
+
+    Raises:
+        ValueError: ``quantization`` is not None, "8bit" or "4bit", or it is set and no CUDA device is available
+            (bitsandbytes' quantized weights live on CUDA).
+    """
+    if quantization is None:
+        return
+    if quantization not in get_args(Quantization):
+        raise ValueError(f"{parameter}={quantization!r} is not supported; expected None, '8bit' or '4bit'.")
+    if not torch.cuda.is_available():
+        raise ValueError(
+            f"{parameter}={quantization!r} needs a CUDA device (bitsandbytes quantizes onto the GPU) and none is "
+            f"available; set {parameter}=None to load unquantized weights."
+        )
 
 
 def tiny_config(
@@ -388,13 +439,7 @@ def _quantization_config(
 ) -> BitsAndBytesConfig | None:
     if quantization is None:
         return None
-    if quantization not in get_args(Quantization):
-        raise ValueError(f"quantization={quantization!r} is not supported; expected None, '8bit' or '4bit'.")
-    if not torch.cuda.is_available():
-        raise ValueError(
-            f"quantization={quantization!r} needs a CUDA device (bitsandbytes) and none is available; "
-            "set quantization=None to load unquantized weights."
-        )
+    check_quantization(quantization, "quantization")
     if quantization == "8bit":
         return BitsAndBytesConfig(load_in_8bit=True)
     return BitsAndBytesConfig(

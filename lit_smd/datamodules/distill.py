@@ -7,6 +7,9 @@ see the same data.
 
 A held-out probe set (``num_probe_prompts``, the *last* prompts of the prepared dataset, never trained on) serves the
 entropy-gated length curriculum (`lit_smd.callbacks.EntropyCurriculum`) through `DistillDataModule.probe_batch`.
+
+Resuming: the training order is a permutation seeded by ``seed + epoch``, and checkpoints hold the position in the
+epoch and every rank's RNG streams (`lit_smd.datamodules.resume`), so ``fit(ckpt_path=...)`` continues exactly.
 """
 
 import logging
@@ -16,11 +19,10 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from datasets import Dataset
-from lightning.pytorch import LightningDataModule
 from torch import Tensor
-from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
+from lit_smd.datamodules.resume import ResumableDataLoader, ResumableDataModule
 from lit_smd.models import load_tokenizer, single_token_id
 from lit_smd.tasks.datasets import prepare_prompts, resolve_dataset
 
@@ -78,7 +80,7 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Ten
     return ids, mask
 
 
-class DistillDataModule(LightningDataModule):
+class DistillDataModule(ResumableDataModule):
     """Prompt batches for online distillation (the module generates teacher or student prefixes).
 
     Prompts go through the tokenizer's chat template (when it has one and ``use_chat_template``), prompts longer than
@@ -96,7 +98,7 @@ class DistillDataModule(LightningDataModule):
         system_prompt: System message before each prompt (chat template only).
         stop_tokens: Extra tokens that end a completion (e.g. ``["<|im_end|>"]``), besides the tokenizer's EOS.
         num_probe_prompts: Prompts held out for the entropy probe (0: no probe set).
-        shuffle: Shuffle the training prompts every epoch (seeded).
+        shuffle: Shuffle the training prompts every epoch (a permutation seeded by ``seed + epoch``).
         seed: Seed of the shuffling.
     """
 
@@ -119,6 +121,8 @@ class DistillDataModule(LightningDataModule):
             raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
         if num_probe_prompts < 0:
             raise ValueError(f"num_probe_prompts must be >= 0, got {num_probe_prompts}")
+        if max_prompt_tokens is not None and (isinstance(max_prompt_tokens, bool) or max_prompt_tokens < 1):
+            raise ValueError(f"max_prompt_tokens must be an integer >= 1 or None, got {max_prompt_tokens!r}")
         if not isinstance(dataset, (str, Dataset)):
             raise ValueError(f"dataset must be a datasets.Dataset or a task name, got {type(dataset).__name__}")
         given = (("dataset", dataset), ("tokenizer", tokenizer))
@@ -156,6 +160,11 @@ class DistillDataModule(LightningDataModule):
         prepared, too_long = prepare_prompts(
             raw, self.tokenizer, self.max_prompt_tokens, self.system_prompt, self.use_chat_template
         )
+        if too_long and not len(prepared):
+            raise ValueError(
+                f"all {too_long} prompts are longer than max_prompt_tokens={self.max_prompt_tokens} tokens; raise "
+                "max_prompt_tokens (or None to keep every prompt)"
+            )
         encoded = self.tokenizer(list(prepared["prompt"]), add_special_tokens=not templated)["input_ids"]
         keep = [index for index, ids in enumerate(encoded) if ids]
         if too_long or len(keep) < len(encoded):
@@ -174,14 +183,14 @@ class DistillDataModule(LightningDataModule):
         return PromptBatch(ids, mask, torch.as_tensor(list(indices), dtype=torch.long), self.eos_token_ids,
                            self.pad_token_id)
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> ResumableDataLoader:
         self.setup()
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
+        return ResumableDataLoader(
             range(self.num_train_prompts),
+            self,
+            self.seed,
             batch_size=self.batch_size,
             shuffle=self.shuffle,
-            generator=generator if self.shuffle else None,
             collate_fn=self.collate,
         )
 

@@ -16,12 +16,17 @@ Generation runs in the training process (no workers): it needs the policy on its
 
 Distributed: every rank draws its own prompts (a shared seeded permutation per epoch, split by rank), generates, scores
 and computes advantages for its own groups (a group never spans ranks); all ranks run the same number of steps.
-Generation calls the policy module directly, so it suits DDP (full replicas); FSDP / DeepSpeed ZeRO-3 sharded policies
-would need their parameters gathered first and are not supported yet.
+Generation calls the policy module directly, outside the training step, so every rank needs the full weights: DDP
+(full replicas) is supported; sharded strategies (FSDP, DeepSpeed ZeRO-3, ``ModelParallelStrategy``) are refused at
+``setup`` by `require_full_weights` (docs/distributed.md says what supporting them would take).
 
-Resuming: the stream is stateful (``state_dict`` / ``load_state_dict``) and samples with one seed per (epoch, rank,
-step), so ``fit(ckpt_path=...)`` continues mid-epoch at the next minibatch (a partly used rollout batch is sampled
-again from the same prompts).
+Resuming (`lit_smd.datamodules.resume`): ``fit(ckpt_path=...)`` continues exactly where the run stopped. The stream
+is stateful (``state_dict`` / ``load_state_dict``: the position in the epoch) and samples with one seed per (epoch,
+rank, step); the DataModule's checkpoint state holds every rank's RNG streams and, when the checkpoint falls inside a
+rollout batch (``num_iterations > 1`` or several minibatches), that rank's partly used `Experience` (plain CPU tensors,
+shadow mask included: its ``[L, B, H_kv, T]`` int32 steps are the bulk), whose remaining minibatches the resumed run
+trains on. Without it (a checkpoint from another number of ranks) the batch is sampled again from the same prompts
+with the current policy, with a warning.
 
 Compared with TRL's ``GRPOTrainer``: ``num_iterations`` is the same; ``minibatch_size`` plays the role of the per-step
 batch of ``steps_per_generation`` (consecutive slices, not shuffled, so the completions of a prompt stay together);
@@ -40,31 +45,43 @@ Handled inputs, each with a clear error or a logged count:
       observation window): dropped at setup / dataloader creation, counts logged (``num_filtered``);
     - a reward function that raises: ``RuntimeError`` naming the function (the original error chained); a NaN / inf
       reward or a wrong number of values: ``ValueError`` naming the function;
-    - a group whose rewards are all equal: zero advantage (`lit_smd.losses.group_advantages`);
+    - a group whose rewards are all equal: zero advantage (`lit_smd.losses.group_advantages`); ``num_generations=1``
+      (every group of one is constant, so no gradient ever) warns at construction;
     - empty completions (EOS first) are decoded to ``""`` and scored like any other; all-truncated batches train
       normally (with ``mask_truncated_completions`` the learner warns that the batch gives no gradient).
 """
 
 import logging
 import time
+import warnings
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field, fields, replace
 from typing import Any, Literal, Protocol, runtime_checkable
 
 import torch
 from datasets import Dataset
-from lightning.pytorch import LightningDataModule
+from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy, Strategy
 from torch import Tensor
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
+from lit_smd.datamodules.resume import EpochPosition, ResumableDataModule
+from lit_smd.kv.shadow import ShadowMask
 from lit_smd.models import load_tokenizer, single_token_id
 from lit_smd.rewards.combine import RewardFn, WeightedRewards
 from lit_smd.rollout import Rollout, generate
 from lit_smd.tasks.datasets import prepare_prompts, resolve_dataset
 
-__all__ = ["Experience", "ExperienceStream", "PhaseListener", "RolloutDataModule", "RolloutLearner", "report_phase"]
+__all__ = [
+    "Experience",
+    "ExperienceStream",
+    "PhaseListener",
+    "RolloutDataModule",
+    "RolloutLearner",
+    "report_phase",
+    "require_full_weights",
+]
 
 logger = logging.getLogger(__name__)
 
@@ -121,6 +138,23 @@ class Experience:
         picked = {name: _apply(getattr(self, name), lambda t: t[index]) for name in _ROW_TENSORS}
         components = {name: values[index] for name, values in self.reward_components.items()}
         return replace(self, rollout=self.rollout.select(index), reward_components=components, **picked)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The experience as CPU tensors and plain values (loadable with ``weights_only``), for checkpoints."""
+        cpu = self.to("cpu")
+        rollout = {f.name: getattr(cpu.rollout, f.name) for f in fields(Rollout) if f.name != "shadow_mask"}
+        shadow = cpu.rollout.shadow_mask
+        rollout["shadow_evict_steps"] = None if shadow is None else shadow.evict_steps
+        plain = ("reward_components", "max_completion_length", "iteration", "metrics")
+        return {"rollout": rollout, **{name: getattr(cpu, name) for name in (*_ROW_TENSORS, *plain)}}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> "Experience":
+        """The experience saved by `state_dict` (on the CPU)."""
+        rollout = dict(state["rollout"])
+        steps = rollout.pop("shadow_evict_steps")
+        rest = {name: value for name, value in state.items() if name != "rollout"}
+        return cls(rollout=Rollout(**rollout, shadow_mask=None if steps is None else ShadowMask(steps)), **rest)
 
 
 def _apply(tensor: Tensor | None, fn: Any) -> Tensor | None:
@@ -183,7 +217,7 @@ class RolloutLearner(Protocol):
         ...
 
 
-class RolloutDataModule(LightningDataModule):
+class RolloutDataModule(ResumableDataModule):
     """Prompts in, on-policy GRPO `Experience` minibatches out (see the module docstring).
 
     Args:
@@ -255,6 +289,18 @@ class RolloutDataModule(LightningDataModule):
         rows = prompts_per_step * num_generations
         if minibatch_size is not None and (minibatch_size < 1 or rows % minibatch_size != 0):
             raise ValueError(f"minibatch_size={minibatch_size} must divide prompts_per_step * num_generations = {rows}")
+        if not 0.0 < top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {top_p}")
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
+            raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
+        if max_prompt_tokens is not None and (isinstance(max_prompt_tokens, bool) or max_prompt_tokens < 1):
+            raise ValueError(f"max_prompt_tokens must be an integer >= 1 or None, got {max_prompt_tokens!r}")
+        if num_generations == 1:
+            warnings.warn(
+                "num_generations=1: a group of one completion has no baseline, so every GRPO advantage is 0 and "
+                "training gets no policy gradient; use num_generations >= 2",
+                stacklevel=2,
+            )
         if not isinstance(dataset, (str, Dataset)):
             raise ValueError(f"dataset must be a datasets.Dataset or a task name, got {type(dataset).__name__}")
         if not isinstance(dataset, str) and dataset_kwargs:
@@ -295,6 +341,7 @@ class RolloutDataModule(LightningDataModule):
         self.prompts: Dataset | None = None
         self.prompt_lengths: list[int] = []
         self.num_filtered: dict[str, int] = {}
+        self.stream: ExperienceStream | None = None
 
     @property
     def templated(self) -> bool:
@@ -310,8 +357,11 @@ class RolloutDataModule(LightningDataModule):
     def setup(self, stage: str | None = None) -> None:
         """Build the prompt rows, apply the chat template and drop over-long and empty prompts (idempotent).
 
-        Nothing to do for ``stage="validate"`` / ``"test"``: evaluation prompts are built by their dataloaders.
+        Nothing to do for ``stage="validate"`` / ``"test"``: evaluation prompts are built by their dataloaders. Under a
+        Trainer, first refuses strategies that shard the policy (`require_full_weights`).
         """
+        if self.trainer is not None:
+            require_full_weights(self.trainer.strategy, "RolloutDataModule (rollouts and evaluation sampling)")
         if self.prompts is not None or stage in ("validate", "test"):
             return
         raw = resolve_dataset(self.dataset, **self.dataset_kwargs)
@@ -320,6 +370,11 @@ class RolloutDataModule(LightningDataModule):
         prepared, too_long = prepare_prompts(
             raw, self.tokenizer, self.max_prompt_tokens, self.system_prompt, self.use_chat_template
         )
+        if too_long and not len(prepared):
+            raise ValueError(
+                f"all {too_long} prompts are longer than max_prompt_tokens={self.max_prompt_tokens} tokens; raise "
+                "max_prompt_tokens (or None to keep every prompt)"
+            )
         encoded = self.tokenizer(list(prepared["prompt"]), add_special_tokens=not self.templated)["input_ids"]
         keep = [index for index, ids in enumerate(encoded) if len(ids) > 0]
         empty = len(encoded) - len(keep)
@@ -340,7 +395,19 @@ class RolloutDataModule(LightningDataModule):
         trainer = self.trainer
         if trainer is None:
             raise RuntimeError("RolloutDataModule.train_dataloader needs a Trainer; use ExperienceStream directly")
-        return ExperienceStream(self, trainer.lightning_module, rank=trainer.global_rank, world_size=trainer.world_size)
+        self.stream = ExperienceStream(
+            self, trainer.lightning_module, rank=trainer.global_rank, world_size=trainer.world_size
+        )
+        return self.stream
+
+    def rank_state(self) -> dict[str, Any]:
+        """This rank's checkpoint entry besides its RNG streams: the partly used rollout batch, if any.
+
+        ``{"rollout_batch": {"epoch", "step", "experience"}}`` while the train stream is inside a rollout batch (see
+        `ExperienceStream.rollout_batch_in_progress`), else ``{}``.
+        """
+        in_progress = None if self.stream is None else self.stream.rollout_batch_in_progress()
+        return {} if in_progress is None else {"rollout_batch": in_progress}
 
     def val_dataloader(self) -> DataLoader | list:
         """Batches of ``val_dataset`` prompts (see `eval_dataloader`); an empty list without a ``val_dataset``."""
@@ -509,7 +576,8 @@ class ExperienceStream:
     One epoch is ``len(prompts) // (prompts_per_step * world_size)`` rollout batches (the remainder is dropped), each
     yielding `RolloutDataModule.batches_per_step` minibatches. The prompt order is a permutation seeded by
     ``seed + epoch``, shared by all ranks and split between them. Stateful (``state_dict`` / ``load_state_dict``), so
-    Lightning resumes a checkpoint mid-epoch at the next minibatch.
+    Lightning resumes a checkpoint mid-epoch at the next minibatch; a rollout batch in progress at the checkpoint comes
+    back from the DataModule's checkpoint state (`RolloutDataModule.rank_state`) instead of being sampled again.
 
     Args:
         datamodule: Supplies the prompts, tokenizer, rewards and sampling settings.
@@ -537,44 +605,95 @@ class ExperienceStream:
                 f"{len(self.indices)} usable prompts cannot fill one step of prompts_per_step="
                 f"{datamodule.prompts_per_step} on {world_size} rank(s) (filtered: {datamodule.num_filtered})"
             )
-        self._epochs_started = 0
-        self._epoch = 0
-        self._consumed = 0
-        self._resume: dict[str, int] | None = None
+        self.position = EpochPosition()
+        self._rollout_batch: tuple[int, int, Experience] | None = None
 
     def __len__(self) -> int:
         return self.steps_per_epoch * self.datamodule.batches_per_step
 
     def __iter__(self) -> Iterator[Experience]:
         dm = self.datamodule
-        epoch = dm.trainer.current_epoch if dm.trainer is not None else self._epochs_started
-        self._epochs_started += 1
-        skip = 0
-        if self._resume is not None:
-            skip = self._resume["consumed"] if self._resume["epoch"] == epoch else 0
-            self._resume = None
-        self._epoch, self._consumed = epoch, skip
+        restored = dm.resume_rank()  # after a restore: this rank's RNG streams are set here, right before sampling
+        skip = self.position.start(dm.trainer_epoch())
+        epoch = self.position.epoch
         order = torch.randperm(len(self.indices), generator=torch.Generator().manual_seed(dm.seed + epoch))
         used = self.steps_per_epoch * self.world_size * dm.prompts_per_step
         order = order[:used].view(self.steps_per_epoch, self.world_size, dm.prompts_per_step)[:, self.rank]
         device = next(self.learner.policy.parameters()).device
         per_step = dm.batches_per_step
+        saved = self._saved_rollout_batch(restored, epoch, skip) if skip % per_step else None
         for step in range(skip // per_step, self.steps_per_epoch):
-            # One seed per (epoch, rank, step): a resumed run samples what the original run would have.
-            generator = torch.Generator(device=device).manual_seed(hash((dm.seed, epoch, self.rank, step)) % 2**63)
-            experience = dm.collect(self.learner, [self.indices[i] for i in order[step].tolist()], generator)
+            if saved is not None:
+                experience, saved = saved.to(device), None
+            else:
+                # One seed per (epoch, rank, step): a resumed run samples what the original run would have.
+                seed = hash((dm.seed, epoch, self.rank, step)) % 2**63
+                generator = torch.Generator(device=device).manual_seed(seed)
+                experience = dm.collect(self.learner, [self.indices[i] for i in order[step].tolist()], generator)
+            self._rollout_batch = (epoch, step, experience)
             for index, part in enumerate(dm.minibatches(experience)):
                 if step * per_step + index >= skip:
-                    self._consumed += 1
+                    self.position.advance()
                     yield part
+
+    def rollout_batch_in_progress(self) -> dict[str, Any] | None:
+        """The rollout batch whose minibatches are partly handed out, for checkpoints; None between rollout batches.
+
+        Returns:
+            ``{"epoch", "step", "experience"}``, the experience as `Experience.state_dict` (CPU tensors).
+        """
+        if self._rollout_batch is None or self.position.consumed % self.datamodule.batches_per_step == 0:
+            return None
+        epoch, step, experience = self._rollout_batch
+        return {"epoch": epoch, "step": step, "experience": experience.state_dict()}
 
     def state_dict(self) -> dict[str, int]:
         """Position in the epoch, saved in Lightning checkpoints so that a resumed run continues mid-epoch."""
-        return {"epoch": self._epoch, "consumed": self._consumed}
+        return self.position.state_dict()
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Resume after ``consumed`` minibatches of ``epoch`` (a partly used rollout batch is sampled again)."""
-        self._resume = {"epoch": int(state_dict["epoch"]), "consumed": int(state_dict["consumed"])}
+        """Resume after ``consumed`` minibatches of ``epoch`` (see `rollout_batch_in_progress`)."""
+        self.position.load_state_dict(state_dict)
+
+    def _saved_rollout_batch(self, restored: dict[str, Any] | None, epoch: int, skip: int) -> Experience | None:
+        """The partly used rollout batch ``skip`` falls in, from this rank's restored checkpoint entry; else warn."""
+        saved = (restored or {}).get("rollout_batch")
+        step = skip // self.datamodule.batches_per_step
+        if saved is not None and (saved["epoch"], saved["step"]) == (epoch, step):
+            return Experience.from_state_dict(saved["experience"])
+        warnings.warn(
+            f"resuming inside rollout batch {step} of epoch {epoch} without its saved experience (a checkpoint from "
+            "another number of ranks, or none saved): it is sampled again with the current policy, so the resumed "
+            "run differs from an uninterrupted one",
+            stacklevel=2,
+        )
+        return None
+
+
+def require_full_weights(strategy: Strategy, component: str) -> None:
+    """Refuse a Lightning strategy under which a rank does not hold the full, gradient-synchronised model.
+
+    ``component`` runs the model outside the training step (sampling, scoring, probing, export), where FSDP and
+    DeepSpeed ZeRO-3 ranks hold only parameter shards; ``ModelParallelStrategy`` expects ``configure_model`` to
+    parallelise the model, which lit_smd's modules do not (replicas would train without gradient averaging). DDP and
+    single-device strategies pass.
+
+    Args:
+        strategy: The trainer's strategy (``trainer.strategy``).
+        component: What needs the full weights, for the message.
+
+    Raises:
+        ValueError: Naming the strategy and the supported alternative.
+    """
+    sharded = isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)) or (
+        isinstance(strategy, DeepSpeedStrategy) and bool(strategy.zero_stage_3)
+    )
+    if sharded:
+        raise ValueError(
+            f"{component} runs the model outside the training step and needs the full weights on every rank, but "
+            f"trainer.strategy={type(strategy).__name__} shards them or leaves the model unparallelised: use "
+            "strategy='ddp' (configs/strategy/ddp.yaml); docs/distributed.md lists what is supported"
+        )
 
 
 def _synchronize(device: torch.device) -> None:

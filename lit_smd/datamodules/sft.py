@@ -22,11 +22,11 @@ from typing import Any
 
 import torch
 from datasets import Dataset
-from lightning.pytorch import LightningDataModule
 from torch import Tensor
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
+from lit_smd.datamodules.resume import ResumableDataLoader, ResumableDataModule
 from lit_smd.models import load_tokenizer
 from lit_smd.tasks.datasets import prepare_prompts, resolve_dataset
 
@@ -38,11 +38,14 @@ IGNORE_INDEX = -100
 """Label of the tokens that carry no loss (prompt tokens and padding)."""
 
 
-class SupervisedDataModule(LightningDataModule):
+class SupervisedDataModule(ResumableDataModule):
     """Prompt / target rows in, right-padded ``{"input_ids", "labels", "attention_mask"}`` batches out.
 
     Batches are right-padded: under a causal mask no real token can see a pad, so the learner needs no padding mask
     and positions start at 0 for every row, as in the rollout's logical positions.
+
+    Resuming: the training order is a permutation seeded by ``seed + epoch``, and checkpoints hold the position in the
+    epoch and every rank's RNG streams (`lit_smd.datamodules.resume`), so ``fit(ckpt_path=...)`` continues exactly.
 
     Args:
         dataset: The training rows: a `datasets.Dataset`; the name of a `lit_smd.tasks.TASKS` entry, built with
@@ -61,7 +64,7 @@ class SupervisedDataModule(LightningDataModule):
         use_chat_template: Wrap single-turn prompts in the tokenizer's chat template when it has one.
         system_prompt: System message before each prompt (chat template only).
         append_eos: End every row with the tokenizer's EOS token, trained on like the target.
-        shuffle: Shuffle the training rows every epoch.
+        shuffle: Shuffle the training rows every epoch (a permutation seeded by ``seed + epoch``).
         num_workers: DataLoader worker processes.
         seed: Seed of the shuffling.
     """
@@ -90,6 +93,8 @@ class SupervisedDataModule(LightningDataModule):
         for name, value in (("batch_size", batch_size), ("max_length", max_length)):
             if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
+            raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
         sources = (("dataset", dataset, dataset_kwargs), ("val_dataset", val_dataset, val_dataset_kwargs))
         for name, rows, kwargs in sources:
             if rows is not None and not isinstance(rows, (str, Dataset)):
@@ -134,14 +139,14 @@ class SupervisedDataModule(LightningDataModule):
             raw = resolve_dataset(self.val_dataset, **self.val_dataset_kwargs)
             self.val_rows = self.encode(raw, "val", self.val_prompt_column, self.val_target_column)
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> ResumableDataLoader:
         self.setup()
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
+        return ResumableDataLoader(
             self.train_rows,
+            self,
+            self.seed,
             batch_size=self.batch_size,
             shuffle=self.shuffle,
-            generator=generator,
             collate_fn=self.collate,
             num_workers=self.num_workers,
         )

@@ -46,7 +46,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_origin
 
 import numpy as np
 import pyarrow as pa
@@ -56,13 +56,12 @@ import torch.nn.functional as F
 import transformers
 from datasets import Dataset, Features, List, Value, load_from_disk
 from datasets.arrow_writer import ArrowWriter
-from lightning.pytorch import LightningDataModule
 from torch import Tensor
-from torch.utils.data import DataLoader
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_smd.datamodules.distill import DistillDataModule, PromptBatch, left_pad
-from lit_smd.models import Quantization, load_causal_lm, load_tokenizer
+from lit_smd.datamodules.resume import ResumableDataLoader, ResumableDataModule
+from lit_smd.models import Quantization, check_pretrained_source, load_causal_lm, load_tokenizer
 from lit_smd.rollout import Rollout, completion_hidden_states, generate
 
 __all__ = [
@@ -171,8 +170,17 @@ class CacheMetadata:
             raw = json.loads(file.read_text())
             known = {f.name for f in fields(cls)}
             metadata = cls(**{key: value for key, value in raw.items() if key in known})
-        except (json.JSONDecodeError, TypeError) as error:
+        except (json.JSONDecodeError, TypeError, AttributeError) as error:
             raise TeacherCacheError(f"{file} is corrupt ({error}); rebuild the cache") from error
+        expected = {f.name: get_origin(f.type) or f.type for f in fields(cls)}  # str | None: a UnionType, unchecked
+        mistyped = [
+            name
+            for name, kind in expected.items()
+            if kind in (int, float, str, list, dict)
+            and not isinstance(getattr(metadata, name), (int, float) if kind is float else kind)
+        ]
+        if mistyped:
+            raise TeacherCacheError(f"{file} is corrupt (fields {mistyped} have the wrong type); rebuild the cache")
         if metadata.format != FORMAT or metadata.version != VERSION:
             raise TeacherCacheError(
                 f"{path}: cache format {metadata.format!r} version {metadata.version} is not {FORMAT!r} version "
@@ -309,9 +317,10 @@ def build_teacher_cache(
     for name, value in (("max_new_tokens", max_new_tokens), ("num_samples", num_samples), ("chunk_size", chunk_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
     if isinstance(teacher, str):
+        check_pretrained_source(teacher, "teacher")
         model = load_causal_lm(teacher, dtype=model_dtype, quantization=quantization, revision=teacher_revision)
         if quantization is None:
             model.to(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
@@ -441,22 +450,29 @@ def load_teacher_cache(
             f"teacher cache {path} is inconsistent: {len(dataset)} rows / {tokens} tokens on disk, metadata says "
             f"{metadata.num_rows} / {metadata.num_completion_tokens}; rebuild it"
         )
+    topk_values = int(pc.sum(pc.list_value_length(dataset.data.column("topk_ids"))).as_py() or 0)
+    if topk_values != tokens * metadata.top_k:
+        raise TeacherCacheError(
+            f"teacher cache {path} is inconsistent: {topk_values} top-k entries on disk for {tokens} tokens, but "
+            f"{METADATA_FILE} says top_k={metadata.top_k}; rebuild it"
+        )
     return dataset, metadata
 
 
-class TeacherCacheDataModule(LightningDataModule):
+class TeacherCacheDataModule(ResumableDataModule):
     """Cached teacher trajectories and top-k log-probs for training with no teacher forward (see the module docstring).
 
     Everything is checked in `setup`, before the first step: the cache (`load_teacher_cache`) against ``tokenizer``;
     the module then checks vocabulary size, k and temperature against `metadata`. The last ``num_probe_prompts``
-    prompts (all their trajectories) are held out as the curriculum's probe set.
+    prompts (all their trajectories) are held out as the curriculum's probe set. Checkpoints hold the position in the
+    epoch and every rank's RNG streams, so ``fit(ckpt_path=...)`` continues exactly (`lit_smd.datamodules.resume`).
 
     Args:
         path: The cache folder written by ``lit-smd cache-teacher`` (`build_teacher_cache`).
         tokenizer: The student's tokenizer, or its hub id / local directory; must be the cache's.
         batch_size: Trajectories per batch.
         num_probe_prompts: Prompts held out for the entropy probe (0: no probe set).
-        shuffle: Shuffle trajectories every epoch (seeded).
+        shuffle: Shuffle trajectories every epoch (a permutation seeded by ``seed + epoch``).
         seed: Seed of the shuffling.
         verify_checksums: Hash the cache files at setup (one read); sizes are always checked.
     """
@@ -536,14 +552,14 @@ class TeacherCacheDataModule(LightningDataModule):
         )
         return CachedBatch(prompt_batch, rollout, torch.from_numpy(topk_ids), torch.from_numpy(topk_logprobs))
 
-    def train_dataloader(self) -> DataLoader:
+    def train_dataloader(self) -> ResumableDataLoader:
         self.setup()
-        generator = torch.Generator().manual_seed(self.seed)
-        return DataLoader(
+        return ResumableDataLoader(
             self.train_rows,
+            self,
+            self.seed,
             batch_size=self.batch_size,
             shuffle=self.shuffle,
-            generator=generator if self.shuffle else None,
             collate_fn=self.collate,
         )
 

@@ -53,9 +53,14 @@ def load_rows(path: str, split: str = "train", name: str | None = None) -> Datas
 
     Returns:
         The rows, with the source's columns.
+
+    Raises:
+        ValueError: ``path`` is an empty data file.
     """
     builder = _FILE_BUILDERS.get(Path(path).suffix.lower())
     if builder is not None:
+        if Path(path).is_file() and Path(path).stat().st_size == 0:  # datasets raises a bare StopIteration on it
+            raise ValueError(f"dataset {path!r} is an empty file: no rows")
         return load_dataset(builder, data_files=path, split="train")
     return load_dataset(path, name, split=split)
 
@@ -259,10 +264,25 @@ def load_task(task: str, **kwargs: Any) -> Dataset:
 
 def resolve_dataset(dataset: str | Dataset, **kwargs: Any) -> Dataset:
     """The rows a DataModule argument names: a `Dataset` as is, a :data:`TASKS` name built with ``kwargs``, or else a
-    hub id / local data file read by `load_rows` with ``kwargs``."""
-    if not isinstance(dataset, str):
-        return dataset
-    return (load_task if dataset in TASKS else load_rows)(dataset, **kwargs)
+    hub id / local data file read by `load_rows` with ``kwargs``.
+
+    Raises:
+        ValueError: ``dataset`` is neither a task nor a readable data file / hub dataset, or it has no rows.
+    """
+    rows = dataset
+    if isinstance(dataset, str) and dataset in TASKS:
+        rows = load_task(dataset, **kwargs)
+    elif isinstance(dataset, str):
+        try:
+            rows = load_rows(dataset, **kwargs)
+        except (FileNotFoundError, ConnectionError) as error:
+            raise ValueError(
+                f"dataset {dataset!r} is neither a lit_smd task (one of {sorted(TASKS)}) nor a data file or hub "
+                f"dataset that can be read ({type(error).__name__}: {error})"
+            ) from error
+    if len(rows) == 0:
+        raise ValueError(f"dataset {repr(dataset) if isinstance(dataset, str) else '(a datasets.Dataset)'} has no rows")
+    return rows
 
 
 def prepare_prompts(
