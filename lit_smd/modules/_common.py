@@ -1,12 +1,19 @@
-"""Helpers both LightningModules use on the Hugging Face models they train or keep frozen."""
+"""Helpers the LightningModules share: model preparation, optimizers, and the guard against non-finite steps."""
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
+from typing import Literal
 
 import torch
+from lightning.pytorch import LightningModule
+from lightning.pytorch.utilities import rank_zero_warn
+from torch import Tensor
 from transformers import PreTrainedModel
 
 OptimizerCallable = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 LRSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
+NonFiniteAction = Literal["skip", "stop"]
+
+SKIPPED_STEPS_KEY = "train/nonfinite_skipped_steps"
 
 
 def freeze(model: PreTrainedModel) -> PreTrainedModel:
@@ -48,3 +55,102 @@ def configure_optimizers(
         return optimizer
     scheduler = lr_scheduler_factory(optimizer)
     return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class NonFiniteError(FloatingPointError):
+    """A loss part or gradient was NaN or infinite; raised before the optimizer step, so no weight was updated."""
+
+
+class NonFiniteGuard:
+    """Keep NaN / inf out of the weights: skip the optimizer step that would apply them, or stop training.
+
+    The module calls `record` with its loss parts in ``training_step`` and `check` in ``on_before_optimizer_step``,
+    which Lightning runs after backward (gradients unscaled under AMP) and before gradient clipping and the step, so
+    the check sees the raw gradients (clipping by norm would spread one NaN into every gradient). Under DDP / FSDP the
+    ranks agree through an all-reduce, so all of them skip or stop together.
+
+    With a ``GradScaler`` (``precision="16-mixed"``) non-finite gradients are the scaler's routine overflow signal (it
+    skips that step and lowers its scale), so only the loss parts are checked there.
+
+    Args:
+        action: ``"skip"``: drop every gradient (``.grad = None``: torch and bitsandbytes optimizers then leave the
+            weights and their state, e.g. Adam moments and step count, untouched), warn with the step and the cause,
+            and count the step in ``train/nonfinite_skipped_steps`` (logged every step; counted from the start of this
+            process, not saved in checkpoints). The skipped step still counts toward ``max_steps`` and the LR schedule.
+            ``"stop"``: raise `NonFiniteError` naming the step and the cause.
+
+    Raises:
+        ValueError: ``action`` is neither ``"skip"`` nor ``"stop"``.
+    """
+
+    def __init__(self, action: NonFiniteAction) -> None:
+        if action not in ("skip", "stop"):
+            raise ValueError(f"on_nonfinite must be 'skip' or 'stop', got {action!r}")
+        self.action = action
+        self.skipped_steps = 0
+        self._part_flags: dict[str, Tensor] = {}  # log key -> 0-d bool, non-finite in any micro-batch of this step
+
+    def record(self, parts: Mapping[str, Tensor]) -> None:
+        """Note which loss parts of a micro-batch are non-finite (no host sync; read at the optimizer step).
+
+        Args:
+            parts: The terms that enter the loss, by log key (e.g. ``train/policy_loss``, ``train/loss``).
+        """
+        for name, value in parts.items():
+            flag = ~torch.isfinite(value.detach()).all()
+            previous = self._part_flags.get(name)
+            self._part_flags[name] = flag if previous is None else previous | flag
+
+    def check(self, module: LightningModule) -> None:
+        """Inspect the recorded loss parts and the gradients of ``module`` before its optimizer step, and act.
+
+        Raises:
+            NonFiniteError: With ``action="stop"``, when a part or gradient is non-finite on any rank.
+        """
+        trainer = module.trainer
+        names, part_flags = list(self._part_flags), list(self._part_flags.values())
+        self._part_flags = {}
+        grads = [(name, param.grad) for name, param in module.named_parameters() if param.grad is not None]
+        # MixedPrecision and FSDPPrecision carry a ``scaler`` (None without fp16 loss scaling).
+        if getattr(trainer.precision_plugin, "scaler", None) is not None:
+            grads = []
+        device = module.device
+        flags = [flag.to(device) for flag in part_flags] + [(~torch.isfinite(g).all()).to(device) for _, g in grads]
+        local = torch.stack(flags) if flags else torch.zeros(0, dtype=torch.bool, device=device)
+        counts = torch.stack([local[: len(names)].sum(), local[len(names) :].sum()]).float()
+        bad_parts, bad_grads = trainer.strategy.reduce(counts, reduce_op="sum").tolist()
+        if bad_parts or bad_grads:
+            local_flags = local.tolist()
+            message = _describe_nonfinite(
+                trainer.global_step,
+                [name for name, flag in zip(names, local_flags[: len(names)], strict=True) if flag],
+                bad_parts > 0,
+                [name for (name, _), flag in zip(grads, local_flags[len(names) :], strict=True) if flag],
+                len(grads),
+            )
+            if self.action == "stop":
+                raise NonFiniteError(
+                    f"{message}. Training stopped before this optimizer step: the weights are those of before it and "
+                    "checkpoints already written are untouched (on_nonfinite='skip' skips such steps instead)"
+                )
+            for param in module.parameters():
+                param.grad = None
+            self.skipped_steps += 1
+            rank_zero_warn(f"{message}. The optimizer step is skipped ({self.skipped_steps} so far)")
+        if self.action == "skip":
+            module.log(SKIPPED_STEPS_KEY, float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
+
+
+def _describe_nonfinite(step: int, parts: list[str], any_part: bool, grad_names: list[str], num_grads: int) -> str:
+    """``"non-finite values at global step 3: loss part(s) train/loss; gradients of 1 of 24 parameters (w)"``."""
+    causes = []
+    if parts:
+        causes.append(f"loss part(s) {', '.join(parts)}")
+    elif any_part:
+        causes.append("a loss part on another rank")
+    if grad_names:
+        shown = ", ".join(grad_names[:3]) + (", ..." if len(grad_names) > 3 else "")
+        causes.append(f"gradients of {len(grad_names)} of {num_grads} parameters ({shown})")
+    elif not any_part:
+        causes.append("gradients on another rank")
+    return f"non-finite values at global step {step}: {'; '.join(causes)}"

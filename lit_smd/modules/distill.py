@@ -41,6 +41,8 @@ Departures
       ``(seed, global_step, batch_idx)``, so a resumed run draws what the original run would have.
     - The teacher is kept out of the module's children: it is never trained, moved, cast or saved by Lightning
       (checkpoints hold only the student). A bitsandbytes-quantized teacher stays where it was loaded.
+    - With ``lora`` only the student's LoRA adapters are trained (`lit_smd.lora`); `export_student` merges them into
+      the weights, so the export is a plain checkpoint (Lightning checkpoints hold base weights and adapters).
     - Teacher and student must have the same output vocabulary (rows of the lm_head): families that pad the vocabulary
       differently per size (e.g. Qwen2.5 0.5B vs 7B) are rejected rather than sliced.
 
@@ -51,7 +53,9 @@ Logged keys (every training step)
     ``distill/student_prefix`` (1 on student-prefix batches), ``distill/max_new_tokens``, and the length of the
     batch's prefixes: ``distill/student_response_length`` and ``distill/student_truncated_fraction`` (hitting
     ``max_new_tokens``: the length-inflation signal) on student-prefix batches, ``distill/teacher_response_length`` and
-    ``distill/teacher_truncated_fraction`` on teacher-prefix batches.
+    ``distill/teacher_truncated_fraction`` on teacher-prefix batches; ``train/nonfinite_skipped_steps`` with
+    ``on_nonfinite="skip"``. Under DDP each value is the mean over the ranks (``sync_dist``); the mix coin is shared by
+    all ranks (it does not depend on the rank), so they log the same keys, while sampling is seeded per rank.
 """
 
 import json
@@ -59,7 +63,7 @@ import math
 import warnings
 from dataclasses import replace
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 import torch.nn.functional as F
@@ -69,13 +73,17 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_smd.callbacks.entropy_curriculum import ProbeStats
 from lit_smd.datamodules.distill import PromptBatch
+from lit_smd.datamodules.rollout import require_full_weights
 from lit_smd.datamodules.teacher_cache import CachedBatch, CacheMetadata, teacher_topk_logprobs, tokenizer_fingerprint
+from lit_smd.lora import LoraSettings, add_lora, check_lora, save_pretrained_merged
 from lit_smd.losses.grpo import masked_mean
 from lit_smd.losses.kl import TailMode, chunked_token_kl, sampled_reverse_kl, topk_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
-from lit_smd.models import Quantization, load_causal_lm, load_tokenizer
+from lit_smd.models import Quantization, check_pretrained_source, check_quantization, load_causal_lm, load_tokenizer
 from lit_smd.modules._common import (
     LRSchedulerCallable,
+    NonFiniteAction,
+    NonFiniteGuard,
     OptimizerCallable,
     configure_optimizers,
     freeze,
@@ -117,17 +125,26 @@ class DistillModule(LightningModule):
         top_k: Teacher log-probs per position for ``"topk"`` (``1 <= top_k <= V``; at most the cache's k).
         tail: Top-k tail handling: ``"renormalize"`` or ``"bucket"``.
         max_new_tokens: Completion length limit at the start (the curriculum changes it).
-        teacher_quantization: Load ``teacher`` (a path) in bitsandbytes ``"8bit"`` / ``"4bit"``; CUDA only.
+        teacher_quantization: Load ``teacher`` (a path) in bitsandbytes ``"8bit"`` / ``"4bit"``, on the current CUDA
+            device; CUDA only (checked when the module is built).
         optimizer: Optimizer factory called with the student's trainable parameters; None: AdamW, lr 1e-5, no weight
             decay.
         lr_scheduler: Optional scheduler factory called with the optimizer, stepped every optimizer step.
         logits_chunk_size: Rows of ``[rows, vocab]`` logits computed at a time.
         model_dtype: Parameter dtype of models loaded from a path.
         gradient_checkpointing: Enable the student's activation checkpointing.
+        lora: Train LoRA adapters (`lit_smd.lora.LoraSettings`: ``r``, ``alpha``, ``dropout``, ``target_modules``)
+            instead of the student's weights: the optimizer gets only the adapters. A given ``student`` model gets
+            them in place. None trains every weight.
         disable_dropout: Set the student's dropout probabilities to 0.
         export_dir: Write the trained student (and the data side's tokenizer) here with ``save_pretrained`` when fit
             ends (rank 0).
         seed: Seed of the mix coin and of the sampling.
+        on_nonfinite: What a NaN / inf loss part (``distill/forward_kl`` / ``distill/reverse_kl`` when weighted,
+            ``train/loss``) or gradient does, checked before each optimizer step: ``"stop"`` raises a
+            ``FloatingPointError`` naming the step and the part before the weights change; ``"skip"`` drops that
+            step's gradients (weights and optimizer state untouched), warns and counts it in
+            ``train/nonfinite_skipped_steps``. See `lit_smd.modules._common.NonFiniteGuard`.
     """
 
     def __init__(
@@ -149,15 +166,19 @@ class DistillModule(LightningModule):
         logits_chunk_size: int = 1024,
         model_dtype: ModelDType = "auto",
         gradient_checkpointing: bool = False,
+        lora: LoraSettings | None = None,
         disable_dropout: bool = True,
         export_dir: str | None = None,
         seed: int = 0,
+        on_nonfinite: NonFiniteAction = "stop",
     ) -> None:
         super().__init__()
+        self.nonfinite_guard = NonFiniteGuard(on_nonfinite)
         _check_init_args(
-            teacher, prefix_source, student_prefix_probability, forward_weight, reverse_weight, temperature, estimator,
-            top_k, tail, max_new_tokens, teacher_quantization, logits_chunk_size,
+            student, teacher, prefix_source, student_prefix_probability, forward_weight, reverse_weight, temperature,
+            estimator, top_k, tail, max_new_tokens, teacher_quantization, logits_chunk_size, model_dtype,
         )  # fmt: skip
+        check_lora(lora, disable_dropout)
         models = [name for name, value in (("student", student), ("teacher", teacher)) if not isinstance(value, str)]
         self.save_hyperparameters(ignore=[*models, "optimizer", "lr_scheduler"])
         self.prefix_source = prefix_source
@@ -175,6 +196,7 @@ class DistillModule(LightningModule):
         self.model_dtype = model_dtype
         self.gradient_checkpointing = gradient_checkpointing
         self.disable_dropout = disable_dropout
+        self.lora = lora
         self.export_dir = export_dir
         self.seed = seed
         self._max_new_tokens = max_new_tokens
@@ -259,13 +281,15 @@ class DistillModule(LightningModule):
                 )
             rollout = self._generate(self.teacher, prompts, self._generator(batch_idx))
         loss, metrics = self.distill_loss(rollout, cached)
+        weights = (("distill/forward_kl", self.forward_weight), ("distill/reverse_kl", self.reverse_weight))
+        self.nonfinite_guard.record({**{key: metrics[key] for key, w in weights if w > 0}, "train/loss": loss})
         side = "student" if student_prefix else "teacher"
         metrics[f"distill/{side}_response_length"] = rollout.completion_lengths.double().mean()
         metrics[f"distill/{side}_truncated_fraction"] = rollout.truncated.double().mean()
         metrics["distill/student_prefix"] = float(student_prefix)
         metrics["distill/max_new_tokens"] = float(self._max_new_tokens)
         metrics["train/loss"] = loss.detach()
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(rollout))
+        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=len(rollout), sync_dist=True)
         return loss
 
     def distill_loss(
@@ -350,6 +374,10 @@ class DistillModule(LightningModule):
             )
         self._check_models()
 
+    def setup(self, stage: str) -> None:
+        """Refuse sharded strategies before any model is loaded (`lit_smd.datamodules.rollout.require_full_weights`)."""
+        require_full_weights(self.trainer.strategy, "DistillModule (sampling, the entropy probe, export_student)")
+
     def on_fit_start(self) -> None:
         # from_pretrained returns eval-mode models and Lightning keeps the mode it finds.
         self.student.train()
@@ -367,6 +395,9 @@ class DistillModule(LightningModule):
         metadata = getattr(datamodule, "metadata", None)
         if isinstance(metadata, CacheMetadata):
             self.check_cache(metadata)
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.nonfinite_guard.check(self)  # skip or stop on NaN / inf, before gradient clipping and the step
 
     def on_train_end(self) -> None:
         if self.export_dir is not None and self.trainer.is_global_zero:
@@ -398,6 +429,9 @@ class DistillModule(LightningModule):
     def export_student(self, directory: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
         """Write the student (``save_pretrained``), its tokenizer and ``lit_smd_distill.json`` to ``directory``.
 
+        A student with LoRA adapters is written with the adapters merged into its weights
+        (`lit_smd.lora.save_pretrained_merged`): a plain checkpoint, without peft metadata.
+
         Args:
             directory: Output folder, loadable by `lit_smd.models.load_causal_lm` (e.g. as `GRPOModule`'s
                 ``policy``) and `lit_smd.models.load_tokenizer`.
@@ -415,7 +449,7 @@ class DistillModule(LightningModule):
         if tokenizer is not None and len(tokenizer) > vocab_size:
             raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than the student's {vocab_size} output ids")
         path = Path(directory)
-        self.student.save_pretrained(path)
+        save_pretrained_merged(self.student, path)
         if tokenizer is None:
             warnings.warn(f"the student is exported to {path} without a tokenizer", stacklevel=2)
         else:
@@ -432,6 +466,8 @@ class DistillModule(LightningModule):
     # --------------------------------------------------------------------------------------------------- helpers
 
     def _prepare_student(self) -> None:
+        if self.lora is not None:
+            add_lora(self.student, self.lora)
         prepare_trainable(
             self.student, disable_dropout=self.disable_dropout, gradient_checkpointing=self.gradient_checkpointing
         )
@@ -467,7 +503,9 @@ class DistillModule(LightningModule):
         return bool(torch.rand((), generator=generator) < self.student_prefix_probability)
 
     def _generator(self, batch_idx: int) -> torch.Generator:
-        return torch.Generator(self.device).manual_seed(_seed(self.seed, self.global_step, batch_idx, 1))
+        # Per rank: ranks sampling their different prompts with one random stream would draw correlated completions.
+        seed = _seed(self.seed, self.global_step, batch_idx, 1, self.global_rank)
+        return torch.Generator(self.device).manual_seed(seed)
 
     def _generate(self, model: PreTrainedModel, prompts: PromptBatch, generator: torch.Generator | None) -> Rollout:
         configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
@@ -508,6 +546,7 @@ def _seed(*parts: int) -> int:
 
 
 def _check_init_args(
+    student: object,
     teacher: object,
     prefix_source: str,
     student_prefix_probability: float,
@@ -520,7 +559,15 @@ def _check_init_args(
     max_new_tokens: int,
     teacher_quantization: str | None,
     logits_chunk_size: int,
+    model_dtype: str,
 ) -> None:
+    for name, model in (("student", student), ("teacher", teacher)):
+        if isinstance(model, str):
+            check_pretrained_source(model, name)
+        elif not isinstance(model, PreTrainedModel) and (name == "student" or model is not None):
+            raise ValueError(f"{name} must be a Hugging Face causal LM, a hub id or a local directory, got {model!r}")
+    if model_dtype not in get_args(ModelDType):
+        raise ValueError(f"model_dtype must be one of {get_args(ModelDType)}, got {model_dtype!r}")
     if prefix_source not in ("teacher", "student", "mix"):
         raise ValueError(f"prefix_source must be 'teacher', 'student' or 'mix', got {prefix_source!r}")
     if not 0.0 <= student_prefix_probability <= 1.0:
@@ -562,3 +609,4 @@ def _check_init_args(
             raise ValueError(f"teacher_quantization must be None, '8bit' or '4bit', got {teacher_quantization!r}")
         if not isinstance(teacher, str):
             raise ValueError("teacher_quantization applies when `teacher` is a path; quantize a loaded model yourself")
+        check_quantization(teacher_quantization, "teacher_quantization")

@@ -47,6 +47,10 @@ Departures and choices (from the papers, TRL and the SMD repository)
     - The reference KL uses the learner's view: the reference scores the masked view in smd mode and the dense view
       otherwise, so it measures how far the trained view moved from the same view of the reference. ``beta=0`` and no
       ``reference`` loads no reference model; a ``reference`` with ``beta=0`` is scored for ``train/kl_ref`` only.
+    - With ``lora`` (adapters on the policy, `lit_smd.lora`), ``beta > 0`` and no ``reference``, the reference is the
+      base weights: the policy itself scored with its adapters disabled (`lit_smd.lora.lora_disabled`), equal to the
+      initial policy since the adapters start at zero, with no second copy of the model in memory. Only the adapters
+      are trained; the shadow-mask replay stays exact (the adapted model is the same transformers model).
     - Entropy is logged (``train/entropy``, of the learner view's temperature-scaled distribution), never added to
       the loss. Dropout is disabled by default (``disable_dropout``), as replaying ``M`` exactly needs a
       deterministic learner.
@@ -63,29 +67,34 @@ Logged keys (TensorBoard, every training step unless noted)
     ``rollout/advantage_mean|std|abs_max``, ``rollout/zero_std_group_fraction``,
     ``rollout/completion_length_mean|max``, ``rollout/truncated_fraction``, ``kv/visible_fraction`` (compressed
     rollouts), ``sparse_rl/rejected_sequence_fraction|masked_token_fraction|weight_mean|weight_min|weight_max``
-    (sparse_rl), and whatever the data side adds (``time/rollout_s``, ...).
+    (sparse_rl), and whatever the data side adds (``time/rollout_s``, ...); ``train/nonfinite_skipped_steps`` with
+    ``on_nonfinite="skip"``. Under DDP each value is reduced over the ranks: ``*_max`` / ``*_min`` keys by max / min,
+    the others by the mean of the per-rank values (see docs/distributed.md).
 """
 
 import copy
 import math
 import time
 import warnings
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_smd.datamodules.rollout import Experience, PhaseListener, report_phase
 from lit_smd.kv import Compressor
+from lit_smd.lora import LoraSettings, add_lora, check_lora, lora_disabled
 from lit_smd.losses.grpo import LossType, ScaleRewards, group_advantages, masked_mean, mismatch_stats, policy_loss
 from lit_smd.losses.kl import KLOutput, chunked_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.losses.sparse_rl import SparseRLConfig, sparse_rl_correction
-from lit_smd.models import load_causal_lm
+from lit_smd.models import Quantization, check_pretrained_source, check_quantization, load_causal_lm
 from lit_smd.modules._common import (
     LRSchedulerCallable,
+    NonFiniteAction,
+    NonFiniteGuard,
     OptimizerCallable,
     configure_optimizers,
     freeze,
@@ -131,7 +140,10 @@ class GRPOModule(LightningModule):
         compressor: KV compressor of the rollouts (a `lit_smd.kv` compressor). Required by naive, sparse_rl and
             smd; must be None for dense.
         reference: Frozen reference for the k3 KL: a model, a hub id / directory, or None for a frozen copy of the
-            initial policy when ``beta > 0`` (and no reference at all when ``beta == 0``).
+            initial policy when ``beta > 0`` (with ``lora``: the policy's base weights, adapters disabled; no copy),
+            and no reference at all when ``beta == 0``.
+        reference_quantization: Load ``reference`` (a path) in bitsandbytes ``"8bit"`` / ``"4bit"``, on the current
+            CUDA device; CUDA only (checked when the module is built).
         temperature: Sampling temperature; rollout and learner log-probs are of the distribution at this
             temperature. The data side samples at this value.
         scale_rewards: Advantage scaling: ``"group"``, ``"batch"`` or ``"none"`` (Dr. GRPO).
@@ -152,7 +164,16 @@ class GRPOModule(LightningModule):
             scores the whole rollout batch at once.
         model_dtype: Parameter dtype when ``policy`` / ``reference`` is loaded from a path.
         gradient_checkpointing: Enable the policy's activation checkpointing.
+        lora: Train LoRA adapters (`lit_smd.lora.LoraSettings`: ``r``, ``alpha``, ``dropout``, ``target_modules``)
+            instead of the policy's weights: the optimizer gets only the adapters. A given ``policy`` model gets them
+            in place. None trains every weight.
         disable_dropout: Set every dropout probability of the policy to 0 (needed for an exact SMD replay).
+        on_nonfinite: What a NaN / inf loss part (``train/policy_loss``, ``train/kl_ref`` when ``beta > 0``,
+            ``smd/kl``, ``train/loss``) or gradient does, checked before each optimizer step: ``"stop"`` raises a
+            ``FloatingPointError`` naming the step and the part before the weights change; ``"skip"`` drops that
+            step's gradients (weights and optimizer state untouched), warns and counts it in
+            ``train/nonfinite_skipped_steps``. See `lit_smd.modules._common.NonFiniteGuard`. Non-finite rewards are
+            rejected earlier, by `make_experience`.
     """
 
     def __init__(
@@ -161,6 +182,7 @@ class GRPOModule(LightningModule):
         mode: Mode = "smd",
         compressor: Compressor | None = None,
         reference: str | PreTrainedModel | None = None,
+        reference_quantization: Quantization | None = None,
         temperature: float = 1.0,
         scale_rewards: ScaleRewards = "group",
         loss_type: LossType = "grpo",
@@ -177,12 +199,23 @@ class GRPOModule(LightningModule):
         scoring_batch_size: int | None = None,
         model_dtype: ModelDType = "auto",
         gradient_checkpointing: bool = False,
+        lora: LoraSettings | None = None,
         disable_dropout: bool = True,
+        on_nonfinite: NonFiniteAction = "stop",
     ) -> None:
         super().__init__()
+        self.nonfinite_guard = NonFiniteGuard(on_nonfinite)
         _check_init_args(
-            mode, compressor, temperature, beta, kl_coef, kl_stop_gradient, logits_chunk_size, scoring_batch_size
-        )
+            policy, reference, mode, compressor, temperature, scale_rewards, loss_type, epsilon, epsilon_high, beta,
+            kl_coef, kl_stop_gradient, sparse_rl, logits_chunk_size, scoring_batch_size, model_dtype,
+        )  # fmt: skip
+        check_quantization(reference_quantization, "reference_quantization")
+        if reference_quantization is not None and not isinstance(reference, str):
+            raise ValueError(
+                "reference_quantization applies when `reference` is a path (hub id or directory), e.g. the policy's "
+                "own checkpoint; quantize a loaded model yourself"
+            )
+        check_lora(lora, disable_dropout)
         ignored = [
             name for name, value in (("policy", policy), ("reference", reference)) if isinstance(value, torch.nn.Module)
         ]
@@ -206,6 +239,8 @@ class GRPOModule(LightningModule):
         self.model_dtype = model_dtype
         self.gradient_checkpointing = gradient_checkpointing
         self.disable_dropout = disable_dropout
+        self.reference_quantization = reference_quantization
+        self.lora = lora
         self._policy_source = policy if isinstance(policy, str) else None
         self._reference_source = reference if isinstance(reference, str) else None
         self.policy: PreTrainedModel | None = policy if isinstance(policy, PreTrainedModel) else None
@@ -256,6 +291,9 @@ class GRPOModule(LightningModule):
             beta=self.beta,
         )
         loss = out.loss
+        loss_parts = {"train/policy_loss": out.policy_loss}  # the terms of the loss, for the non-finite guard
+        if self.beta > 0:
+            loss_parts["train/kl_ref"] = out.kl
         metrics = {
             "train/policy_loss": out.policy_loss,
             "train/kl_ref": out.kl,
@@ -270,7 +308,9 @@ class GRPOModule(LightningModule):
         if self.mode == "smd" and self.kl_coef > 0:
             kl = self.smd_kl(rollout, batch.loss_mask, masked_hidden=hidden)
             loss = loss + self.kl_coef * kl.loss
+            loss_parts["smd/kl"] = kl.loss
             metrics["smd/kl"] = kl.forward_kl if self.kl_stop_gradient == "dense" else kl.reverse_kl
+        self.nonfinite_guard.record({**loss_parts, "train/loss": loss})
         if batch.iteration == 0:
             stats = mismatch_stats(logprobs.detach(), rollout.logprobs, rollout.completion_mask)
             metrics["mismatch/logprob_abs_diff_mean"] = stats.abs_diff_mean
@@ -278,12 +318,22 @@ class GRPOModule(LightningModule):
             metrics["mismatch/k3_kl"] = stats.kl
         metrics["train/loss"] = loss.detach()
         size = len(rollout)
-        self.log_dict(metrics, on_step=True, on_epoch=False, batch_size=size)
+        self._log_over_ranks(metrics, size)
         if batch.metrics:
-            self.log_dict(dict(batch.metrics), on_step=True, on_epoch=False, batch_size=size)
+            self._log_over_ranks(batch.metrics, size)
             if "rollout/reward_mean" in batch.metrics:
-                self.log("reward", batch.metrics["rollout/reward_mean"], prog_bar=True, logger=False, batch_size=size)
+                reward = batch.metrics["rollout/reward_mean"]
+                self.log("reward", reward, prog_bar=True, logger=False, batch_size=size, sync_dist=True)
         return loss
+
+    def _log_over_ranks(self, metrics: dict[str, Tensor | float], batch_size: int) -> None:
+        """Log per step, reduced over ranks (``sync_dist``): ``*_max`` keys by max, ``*_min`` by min, others by mean.
+
+        Every rank logs the same keys in the same order (the data side yields the same minibatch structure on each).
+        """
+        for key, value in metrics.items():
+            reduce = "max" if key.endswith("_max") else "min" if key.endswith("_min") else "mean"
+            self.log(key, value, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=True, reduce_fx=reduce)
 
     # ----------------------------------------------------------------------------------------------- evaluation
 
@@ -351,16 +401,27 @@ class GRPOModule(LightningModule):
     # ------------------------------------------------------------------------------------------------- hooks
 
     def configure_model(self) -> None:
-        """Load ``policy`` / ``reference`` given as paths and copy the reference when needed (idempotent)."""
+        """Load ``policy`` / ``reference`` given as paths and copy the reference when needed, i.e. ``beta > 0``, no
+        ``reference`` and no ``lora`` (idempotent)."""
         if self.policy is None:
             self.policy = load_causal_lm(self._policy_source, dtype=self.model_dtype)
             self._prepare_policy()
         if self.reference is None and self._reference_source is not None:
-            self.reference = freeze(load_causal_lm(self._reference_source, dtype=self.model_dtype))
-        if self.reference is None and self.beta > 0:
+            self.reference = freeze(
+                load_causal_lm(self._reference_source, dtype=self.model_dtype, quantization=self.reference_quantization)
+            )
+        if self.reference is None and self.beta > 0 and self.lora is None:
             self.reference = freeze(copy.deepcopy(self.policy))
 
+    @property
+    def reference_is_base(self) -> bool:
+        """Whether the policy's base weights (adapters disabled) are the reference: ``lora``, ``beta > 0``, no
+        ``reference``."""
+        return self.lora is not None and self.beta > 0 and self.reference is None and self._reference_source is None
+
     def _prepare_policy(self) -> None:
+        if self.lora is not None:
+            add_lora(self.policy, self.lora)
         prepare_trainable(
             self.policy, disable_dropout=self.disable_dropout, gradient_checkpointing=self.gradient_checkpointing
         )
@@ -370,6 +431,16 @@ class GRPOModule(LightningModule):
         # mode (activation checkpointing needs it; dropout is off unless disable_dropout=False). The reference stays
         # in eval mode, hence Lightning's "modules in eval mode" notice when there is one.
         self.policy.train()
+        tokenizer = getattr(self.trainer.datamodule, "tokenizer", None)
+        vocab_size = self.policy.get_output_embeddings().weight.shape[0]
+        if isinstance(tokenizer, PreTrainedTokenizerBase) and len(tokenizer) > vocab_size:
+            raise ValueError(
+                f"the data side's tokenizer has {len(tokenizer)} tokens but `policy` only {vocab_size} output ids: "
+                "`policy` and the DataModule's `tokenizer` do not belong together"
+            )
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.nonfinite_guard.check(self)  # skip or stop on NaN / inf, before gradient clipping and the step
 
     def on_train_batch_start(self, batch: Experience, batch_idx: int) -> None:
         _synchronize(self.device)
@@ -385,6 +456,7 @@ class GRPOModule(LightningModule):
             on_step=True,
             on_epoch=False,
             batch_size=len(batch.rollout),
+            sync_dist=True,
         )
         self._learner_start = None
 
@@ -455,6 +527,9 @@ class GRPOModule(LightningModule):
         ref_logprobs = None
         if self.reference is not None:
             ref_logprobs = self._score(self.reference, rollout, shadow=self.uses_shadow_view)  # [B, N]
+        elif self.reference_is_base:
+            with lora_disabled(self.policy):
+                ref_logprobs = self._score(self.policy, rollout, shadow=self.uses_shadow_view)  # [B, N]
         return Experience(
             rollout=rollout,
             rewards=rewards,
@@ -534,15 +609,28 @@ def _synchronize(device: torch.device) -> None:
 
 
 def _check_init_args(
+    policy: object,
+    reference: object,
     mode: str,
     compressor: object,
     temperature: float,
+    scale_rewards: str,
+    loss_type: str,
+    epsilon: float,
+    epsilon_high: float | None,
     beta: float,
     kl_coef: float,
     kl_stop_gradient: str,
+    sparse_rl: object,
     logits_chunk_size: int,
     scoring_batch_size: int | None,
+    model_dtype: str,
 ) -> None:
+    for name, model in (("policy", policy), ("reference", reference)):
+        if isinstance(model, str):
+            check_pretrained_source(model, name)
+        elif not isinstance(model, PreTrainedModel) and (name == "policy" or model is not None):
+            raise ValueError(f"{name} must be a Hugging Face causal LM, a hub id or a local directory, got {model!r}")
     modes = ("dense", "naive", "sparse_rl", "smd")
     if mode not in modes:
         raise ValueError(f"mode must be one of {modes}, got {mode!r}")
@@ -557,12 +645,24 @@ def _check_init_args(
         raise ValueError(f"compressor must be a lit_smd.kv compressor, got {compressor!r}")
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be finite and > 0, got {temperature}")
-    if not beta >= 0:
-        raise ValueError(f"beta must be >= 0, got {beta}")
-    if not kl_coef >= 0:
-        raise ValueError(f"kl_coef must be >= 0, got {kl_coef}")
+    if scale_rewards not in get_args(ScaleRewards):
+        raise ValueError(f"scale_rewards must be one of {get_args(ScaleRewards)}, got {scale_rewards!r}")
+    if loss_type not in get_args(LossType):
+        raise ValueError(f"loss_type must be one of {get_args(LossType)}, got {loss_type!r}")
+    if not 0 <= epsilon <= 1:
+        raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
+    if epsilon_high is not None and not (epsilon_high >= 0 and math.isfinite(epsilon_high)):
+        raise ValueError(f"epsilon_high must be finite and >= 0, or None (= epsilon), got {epsilon_high}")
+    if not (beta >= 0 and math.isfinite(beta)):
+        raise ValueError(f"beta must be finite and >= 0, got {beta}")
+    if not (kl_coef >= 0 and math.isfinite(kl_coef)):
+        raise ValueError(f"kl_coef must be finite and >= 0, got {kl_coef}")
     if kl_stop_gradient not in ("dense", "masked"):
         raise ValueError(f"kl_stop_gradient must be 'dense' or 'masked', got {kl_stop_gradient!r}")
+    if sparse_rl is not None and not isinstance(sparse_rl, SparseRLConfig):
+        raise ValueError(f"sparse_rl must be a lit_smd.losses.SparseRLConfig or None, got {sparse_rl!r}")
+    if model_dtype not in get_args(ModelDType):
+        raise ValueError(f"model_dtype must be one of {get_args(ModelDType)}, got {model_dtype!r}")
     if logits_chunk_size < 1:
         raise ValueError(f"logits_chunk_size must be >= 1, got {logits_chunk_size}")
     if scoring_batch_size is not None and scoring_batch_size < 1:

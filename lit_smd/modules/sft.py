@@ -20,13 +20,14 @@ Choices
       target exactly.
 
 Logged keys (TensorBoard)
-    ``train/loss``, ``train/token_accuracy`` (every step), ``val/loss``, ``val/token_accuracy``,
-    ``val/sequence_accuracy`` (per validation run, when the DataModule has validation rows).
+    ``train/loss``, ``train/token_accuracy`` (every step), ``train/nonfinite_skipped_steps`` (every step, with
+    ``on_nonfinite="skip"``), ``val/loss``, ``val/token_accuracy``, ``val/sequence_accuracy`` (per validation run, when
+    the DataModule has validation rows).
 """
 
 import warnings
 from pathlib import Path
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from lightning.pytorch import LightningModule
@@ -35,8 +36,15 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_smd.datamodules.sft import IGNORE_INDEX
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
-from lit_smd.models import load_causal_lm, load_tokenizer
-from lit_smd.modules._common import LRSchedulerCallable, OptimizerCallable, configure_optimizers, prepare_trainable
+from lit_smd.models import check_pretrained_source, load_causal_lm, load_tokenizer
+from lit_smd.modules._common import (
+    LRSchedulerCallable,
+    NonFiniteAction,
+    NonFiniteGuard,
+    OptimizerCallable,
+    configure_optimizers,
+    prepare_trainable,
+)
 
 __all__ = ["SFTModule"]
 
@@ -71,6 +79,10 @@ class SFTModule(LightningModule):
         model_dtype: Parameter dtype when ``policy`` is loaded from a path.
         gradient_checkpointing: Enable the policy's activation checkpointing.
         disable_dropout: Set every dropout probability of the policy to 0.
+        on_nonfinite: What a NaN / inf loss or gradient does, checked before each optimizer step: ``"stop"`` raises
+            a ``FloatingPointError`` naming the step and the cause before the weights change; ``"skip"`` drops that
+            step's gradients (weights and optimizer state untouched), warns and counts it in
+            ``train/nonfinite_skipped_steps``. See `lit_smd.modules._common.NonFiniteGuard`.
     """
 
     def __init__(
@@ -83,10 +95,18 @@ class SFTModule(LightningModule):
         model_dtype: ModelDType = "auto",
         gradient_checkpointing: bool = False,
         disable_dropout: bool = True,
+        on_nonfinite: NonFiniteAction = "stop",
     ) -> None:
         super().__init__()
+        self.nonfinite_guard = NonFiniteGuard(on_nonfinite)
         if isinstance(logits_chunk_size, bool) or not isinstance(logits_chunk_size, int) or logits_chunk_size < 1:
             raise ValueError(f"logits_chunk_size must be an integer >= 1, got {logits_chunk_size!r}")
+        if isinstance(policy, str):
+            check_pretrained_source(policy, "policy")
+        elif not isinstance(policy, PreTrainedModel):
+            raise ValueError(f"policy must be a Hugging Face causal LM, a hub id or a local directory, got {policy!r}")
+        if model_dtype not in get_args(ModelDType):
+            raise ValueError(f"model_dtype must be one of {get_args(ModelDType)}, got {model_dtype!r}")
         ignored = ["policy"] if isinstance(policy, torch.nn.Module) else []
         self.save_hyperparameters(ignore=[*ignored, "optimizer", "lr_scheduler"])
         self.optimizer_factory = optimizer
@@ -133,6 +153,7 @@ class SFTModule(LightningModule):
 
     def training_step(self, batch: dict[str, Tensor], batch_idx: int) -> Tensor:
         loss, token_accuracy, _ = self._shared_step(batch)
+        self.nonfinite_guard.record({"train/loss": loss})
         size = batch["input_ids"].shape[0]
         self.log("train/loss", loss.detach(), prog_bar=True, batch_size=size)
         self.log("train/token_accuracy", token_accuracy, batch_size=size)
@@ -171,6 +192,16 @@ class SFTModule(LightningModule):
     def on_fit_start(self) -> None:
         # from_pretrained and build_tiny_model return eval-mode models, and Lightning keeps the mode it finds.
         self.policy.train()
+        tokenizer = getattr(self.trainer.datamodule, "tokenizer", None)
+        vocab_size = self.policy.get_output_embeddings().weight.shape[0]
+        if isinstance(tokenizer, PreTrainedTokenizerBase) and len(tokenizer) > vocab_size:
+            raise ValueError(
+                f"the data side's tokenizer has {len(tokenizer)} tokens but `policy` only {vocab_size} output ids: "
+                "`policy` and the DataModule's `tokenizer` do not belong together"
+            )
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        self.nonfinite_guard.check(self)  # skip or stop on NaN / inf, before gradient clipping and the step
 
     def on_train_end(self) -> None:
         if self.export_dir is not None and self.trainer.is_global_zero:
