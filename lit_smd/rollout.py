@@ -15,6 +15,7 @@ values are not the sampler's exact probabilities (the same convention as vLLM's 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
@@ -176,13 +177,15 @@ def _check_generate_args(
         raise ValueError(f"input_ids must be a 2-D tensor [batch, prompt_length], got {type(input_ids).__name__}")
     if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
         raise ValueError(f"input_ids is empty (shape {tuple(input_ids.shape)}): nothing to generate from")
+    if input_ids.is_floating_point() or input_ids.is_complex() or input_ids.dtype == torch.bool:
+        raise ValueError(f"input_ids must hold integer token ids, got dtype {input_ids.dtype}")
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
         shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
         raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
@@ -205,6 +208,13 @@ def _check_generate_args(
                 f"({compressor.min_prompt_length}); lower the window or filter short prompts"
             )
     ensure_attention(model)
+    vocab_size = model.get_input_embeddings().num_embeddings
+    used = input_ids[mask]
+    if bool(((used < 0) | (used >= vocab_size)).any()):
+        raise ValueError(
+            f"input_ids hold token ids in [{int(used.min())}, {int(used.max())}] but the model embeds only ids "
+            f"[0, {vocab_size}): the tokenizer does not belong to the model"
+        )
 
 
 @torch.no_grad()

@@ -341,6 +341,11 @@ class PrefillThenDecode:
     evicts_during_decode: ClassVar[bool] = True
 
     def __post_init__(self) -> None:
+        for name in ("prefill", "decode"):
+            if not isinstance(getattr(self, name), Compressor):
+                raise ValueError(
+                    f"PrefillThenDecode.{name} must be a compressor (e.g. SnapKV, H2O), got {getattr(self, name)!r}"
+                )
         if not self.decode.evicts_during_decode:
             raise ValueError(
                 f"PrefillThenDecode.decode must evict during decoding (H2O, RecentWindow, RandomEviction), "

@@ -615,14 +615,14 @@ def _kl_output(loss: Tensor, stats: Tensor, weights: Tensor) -> KLOutput:
 
 
 def _check_kl_args(forward_weight: float, reverse_weight: float, temperature: float) -> None:
-    if not forward_weight >= 0:
-        raise ValueError(f"forward_weight must be >= 0, got {forward_weight}")
-    if not reverse_weight >= 0:
-        raise ValueError(f"reverse_weight must be >= 0, got {reverse_weight}")
+    if not 0 <= forward_weight < math.inf:
+        raise ValueError(f"forward_weight must be >= 0 and finite, got {forward_weight}")
+    if not 0 <= reverse_weight < math.inf:
+        raise ValueError(f"reverse_weight must be >= 0 and finite, got {reverse_weight}")
     if forward_weight == 0 and reverse_weight == 0:
         raise ValueError("forward_weight and reverse_weight are both 0: the loss would be identically zero")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
 
 
 def _check_logits_pair(student_logits: Tensor, teacher_logits: Tensor) -> None:

@@ -39,7 +39,25 @@ def token_logprobs_and_entropy(
 
     Returns:
         ``(logprobs [B, N], entropy [B, N])``; log-probs carry gradients, the entropy (nats) is detached.
+
+    Raises:
+        ValueError: Mismatched shapes (``hidden`` vs ``ids`` vs ``weight`` / ``bias``), ``temperature <= 0`` or
+            ``chunk_size < 1``; the message names the argument.
     """
+    if hidden.shape[:-1] != ids.shape:
+        raise ValueError(
+            f"hidden must have shape [*ids.shape, H]: got hidden {tuple(hidden.shape)} and ids {tuple(ids.shape)}"
+        )
+    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
+        raise ValueError(
+            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got {tuple(weight.shape)}"
+        )
+    if bias is not None and bias.shape != weight.shape[:1]:
+        raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
     shape = ids.shape
     flat_hidden = hidden.reshape(-1, hidden.shape[-1])  # [B*N, H]
     flat_ids = ids.reshape(-1)  # [B*N]

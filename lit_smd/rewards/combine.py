@@ -64,6 +64,11 @@ class WeightedRewards:
         weights = [1.0] * len(named) if weights is None else [float(w) for w in weights]
         if len(weights) != len(named):
             raise ValueError(f"got {len(weights)} weights for {len(named)} reward functions {list(named)}")
+        not_callable = [fn for fn in named.values() if not callable(fn)]
+        if not_callable:
+            raise ValueError(f"reward_funcs must be callables (or their import paths in a config), got {not_callable}")
+        if not all(math.isfinite(w) for w in weights):
+            raise ValueError(f"reward weights must be finite, got {weights}")
         self.reward_funcs = named
         self.weights = dict(zip(named, weights, strict=True))
 

@@ -1,0 +1,234 @@
+"""Bad input to the LightningModules (`GRPOModule`, `DistillModule`, `SFTModule`): constructor arguments, GRPO's data
+interface (`make_experience`, `training_step`) and a tokenizer that does not belong to the model.
+
+Constructor errors are raised in ``__init__``, before any model is loaded (a path is only checked for existence); the
+tokenizer / vocabulary check runs in ``on_fit_start``, before the first rollout or step.
+"""
+
+import math
+
+import lightning as L
+import pytest
+import torch
+from datasets import Dataset
+
+from lit_smd.datamodules import DistillDataModule, RolloutDataModule, SupervisedDataModule
+from lit_smd.kv import SnapKV
+from lit_smd.models import build_tiny_model, build_tiny_tokenizer
+from lit_smd.modules import DistillModule, GRPOModule, SFTModule
+from lit_smd.rollout import generate
+
+NAN, INF = math.nan, math.inf
+SNAPKV = SnapKV(0.5, window=2)
+
+# (case, GRPOModule keyword arguments besides the policy, regex); mode="dense" unless given.
+GRPO_ERRORS = [
+    ("unknown mode", {"mode": "fast"}, r"mode must be one of \('dense', 'naive', 'sparse_rl', 'smd'\), got 'fast'"),
+    ("smd without compressor", {"mode": "smd"}, r"mode='smd' samples with a compressed KV cache: pass a compressor"),
+    ("naive without compressor", {"mode": "naive"}, r"mode='naive' .*pass a compressor"),
+    ("sparse_rl without compressor", {"mode": "sparse_rl"}, r"mode='sparse_rl' .*pass a compressor"),
+    ("dense with compressor", {"compressor": SNAPKV},
+     r"mode='dense' samples without KV compression, but a compressor was given .*pick mode='naive', 'sparse_rl'"),
+    ("compressor by name", {"mode": "smd", "compressor": "snapkv"},
+     r"compressor must be a lit_smd.kv compressor, got 'snapkv'"),
+    ("zero temperature", {"temperature": 0.0}, r"temperature must be finite and > 0, got 0.0"),
+    ("negative temperature", {"temperature": -1.0}, r"temperature must be finite and > 0, got -1.0"),
+    ("NaN temperature", {"temperature": NAN}, r"temperature must be finite and > 0, got nan"),
+    ("infinite temperature", {"temperature": INF}, r"temperature must be finite and > 0, got inf"),
+    ("unknown scale_rewards", {"scale_rewards": "std"},
+     r"scale_rewards must be one of \('group', 'batch', 'none'\), got 'std'"),
+    ("unknown loss_type", {"loss_type": "ppo"}, r"loss_type must be one of \('grpo', 'dr_grpo', 'dapo'\), got 'ppo'"),
+    ("negative epsilon", {"epsilon": -0.1}, r"epsilon must be in \[0, 1\], got -0.1"),
+    ("epsilon above 1", {"epsilon": 1.5}, r"epsilon must be in \[0, 1\], got 1.5"),
+    ("negative epsilon_high", {"epsilon_high": -0.2}, r"epsilon_high must be finite and >= 0, or None"),
+    ("negative beta", {"beta": -0.1}, r"beta must be finite and >= 0, got -0.1"),
+    ("NaN beta", {"beta": NAN}, r"beta must be finite and >= 0, got nan"),
+    ("negative kl_coef", {"kl_coef": -1.0}, r"kl_coef must be finite and >= 0, got -1.0"),
+    ("infinite kl_coef", {"kl_coef": INF}, r"kl_coef must be finite and >= 0, got inf"),
+    ("unknown kl_stop_gradient", {"kl_stop_gradient": "both"}, r"kl_stop_gradient must be 'dense' or 'masked'"),
+    ("sparse_rl as a dict", {"mode": "sparse_rl", "compressor": SNAPKV, "sparse_rl": {"lower": 0.5}},
+     r"sparse_rl must be a lit_smd.losses.SparseRLConfig or None"),
+    ("zero logits_chunk_size", {"logits_chunk_size": 0}, r"logits_chunk_size must be >= 1, got 0"),
+    ("zero scoring_batch_size", {"scoring_batch_size": 0}, r"scoring_batch_size must be >= 1 or None, got 0"),
+    ("unknown model_dtype", {"model_dtype": "fp8"}, r"model_dtype must be one of \('auto', 'float32', .*got 'fp8'"),
+    ("missing reference path", {"beta": 0.1, "reference": "./no/such/reference"},
+     r"reference='./no/such/reference' is neither an existing local path nor a hub id"),
+    ("reference of the wrong type", {"reference": 3}, r"reference must be a Hugging Face causal LM, a hub id"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kwargs", "pattern"), [c[1:] for c in GRPO_ERRORS], ids=[c[0] for c in GRPO_ERRORS])
+def test_grpo_module_rejects(kwargs, pattern, tiny_policy):
+    with pytest.raises(ValueError, match=pattern):
+        GRPOModule(tiny_policy, **{"mode": "dense", **kwargs})
+
+
+# (case, policy, regex): the model argument itself, for every module that takes one.
+MODEL_SOURCE_ERRORS = [
+    ("missing absolute path", "/nonexistent/policy",
+     r"policy='/nonexistent/policy' is neither an existing local path nor a hub id \('name' or 'owner/name'\)"),
+    ("missing relative path", "runs/quickstart-sft/policy-typo",
+     r"policy='runs/quickstart-sft/policy-typo' is neither"),
+    ("not a model", 3, r"policy must be a Hugging Face causal LM, a hub id or a local directory, got 3"),
+    ("None", None, r"policy must be a Hugging Face causal LM, a hub id or a local directory, got None"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("policy", "pattern"), [c[1:] for c in MODEL_SOURCE_ERRORS], ids=[c[0] for c in MODEL_SOURCE_ERRORS]
+)
+@pytest.mark.parametrize("module", ["grpo", "sft", "distill"])
+def test_model_arguments_must_be_loadable(module, policy, pattern, tiny_policy):
+    if module == "grpo":
+        make = lambda: GRPOModule(policy, mode="dense")  # noqa: E731
+    elif module == "sft":
+        make = lambda: SFTModule(policy)  # noqa: E731
+    else:
+        pattern = "student" + pattern.removeprefix("policy")
+        make = lambda: DistillModule(policy, tiny_policy)  # noqa: E731
+    with pytest.raises(ValueError, match=pattern):
+        make()
+
+
+# (case, DistillModule keyword arguments besides student and teacher, regex)
+DISTILL_ERRORS = [
+    ("unknown prefix_source", {"prefix_source": "both"}, r"prefix_source must be 'teacher', 'student' or 'mix'"),
+    ("mix probability above 1", {"prefix_source": "mix", "student_prefix_probability": 1.5},
+     r"student_prefix_probability must be in \[0, 1\], got 1.5"),
+    ("negative forward_weight", {"forward_weight": -1.0}, r"forward_weight must be finite and >= 0, got -1.0"),
+    ("NaN reverse_weight", {"reverse_weight": NAN}, r"reverse_weight must be finite and >= 0, got nan"),
+    ("both KL weights zero", {"forward_weight": 0.0, "reverse_weight": 0.0},
+     r"forward_weight and reverse_weight are both 0"),
+    ("zero temperature", {"temperature": 0.0}, r"temperature must be finite and > 0, got 0.0"),
+    ("unknown estimator", {"estimator": "exact"}, r"estimator must be 'full', 'topk' or 'sampled', got 'exact'"),
+    ("zero top_k", {"estimator": "topk", "top_k": 0}, r"top_k must be an integer >= 1, got 0"),
+    ("unknown tail", {"estimator": "topk", "tail": "drop"}, r"tail must be 'renormalize' or 'bucket', got 'drop'"),
+    ("zero max_new_tokens", {"max_new_tokens": 0}, r"max_new_tokens must be an integer >= 1, got 0"),
+    ("sampled on teacher prefixes", {"estimator": "sampled", "prefix_source": "teacher", "forward_weight": 0.0,
+                                     "reverse_weight": 1.0},
+     r"estimator='sampled' needs tokens sampled from the student: set prefix_source='student'"),
+    ("sampled forward KL", {"estimator": "sampled"},
+     r"estimator='sampled' estimates the reverse KL only: set forward_weight=0"),
+    ("no teacher for online prefixes", {"teacher": None}, r"teacher=None works only with cached teacher prefixes"),
+    ("unknown quantization", {"teacher_quantization": "2bit"}, r"teacher_quantization must be None, '8bit' or '4bit'"),
+    ("quantizing a loaded teacher", {"teacher_quantization": "8bit"},
+     r"teacher_quantization applies when `teacher` is a path"),
+    ("zero logits_chunk_size", {"logits_chunk_size": 0}, r"logits_chunk_size must be >= 1, got 0"),
+    ("unknown model_dtype", {"model_dtype": "half"}, r"model_dtype must be one of \('auto', .*got 'half'"),
+    ("missing teacher path", {"teacher": "/nonexistent/teacher"}, r"teacher='/nonexistent/teacher' is neither"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kwargs", "pattern"), [c[1:] for c in DISTILL_ERRORS], ids=[c[0] for c in DISTILL_ERRORS])
+def test_distill_module_rejects(kwargs, pattern, tiny_policy):
+    with pytest.raises(ValueError, match=pattern):
+        DistillModule(tiny_policy, **{"teacher": tiny_policy, **kwargs})
+
+
+def test_distill_module_checks_models_and_lengths_before_training(tiny_policy):
+    wider = build_tiny_model("qwen3", tokenizer=build_tiny_tokenizer(), vocab_size=128)
+    with pytest.raises(ValueError, match=r"vocabulary mismatch: `teacher` has 128 output ids, `student` 103"):
+        DistillModule(tiny_policy, wider).configure_model()
+    with pytest.raises(ValueError, match=r"top_k=200 exceeds the vocabulary size 103"):
+        DistillModule(tiny_policy, tiny_policy, estimator="topk", top_k=200).configure_model()
+    with pytest.raises(ValueError, match=r"max_new_tokens must be an integer >= 1, got 0"):
+        DistillModule(tiny_policy, tiny_policy).set_max_new_tokens(0)
+
+
+# (case, SFTModule keyword arguments besides the policy, regex)
+SFT_ERRORS = [
+    ("zero logits_chunk_size", {"logits_chunk_size": 0}, r"logits_chunk_size must be an integer >= 1, got 0"),
+    ("float logits_chunk_size", {"logits_chunk_size": 2.5}, r"logits_chunk_size must be an integer >= 1, got 2.5"),
+    ("unknown model_dtype", {"model_dtype": "int8"}, r"model_dtype must be one of \('auto', .*got 'int8'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("kwargs", "pattern"), [c[1:] for c in SFT_ERRORS], ids=[c[0] for c in SFT_ERRORS])
+def test_sft_module_rejects(kwargs, pattern, tiny_policy):
+    with pytest.raises(ValueError, match=pattern):
+        SFTModule(tiny_policy, **kwargs)
+
+
+@pytest.fixture(scope="module")
+def rollouts(tiny_policy):
+    """A dense and a compressed rollout of 2 prompts x 2 samples, 2 new tokens each."""
+    tokenizer = build_tiny_tokenizer()
+    encoded = tokenizer(["12 + 3 =", "4 + 56 ="], return_tensors="pt", padding=True)
+    common = {"max_new_tokens": 2, "num_samples": 2, "generator": torch.Generator().manual_seed(0)}
+    dense = generate(tiny_policy, encoded.input_ids, encoded.attention_mask, **common)
+    compressed = generate(tiny_policy, encoded.input_ids, encoded.attention_mask, compressor=SNAPKV, **common)
+    return {"dense": dense, "compressed": compressed}
+
+
+# (case, module mode, rollout kind, rewards, group size, exception, regex): GRPOModule.make_experience.
+EXPERIENCE_ERRORS = [
+    ("NaN reward", "dense", "dense", [1.0, NAN, 0.0, 1.0], 2, ValueError, r"`rewards` must be finite; rows \[1\]"),
+    ("infinite reward", "dense", "dense", [1.0, 0.0, -INF, 1.0], 2, ValueError,
+     r"`rewards` must be finite; rows \[2\]"),
+    ("too few rewards", "dense", "dense", [1.0, 0.0, 1.0], 2, ValueError,
+     r"got 3 rewards for a rollout of 4 completions"),
+    ("group size not dividing", "dense", "dense", [1.0, 0.0, 1.0, 0.0], 3, ValueError,
+     r"`rewards` has 4 rows, not a multiple of `group_size` 3"),
+    ("zero group size", "dense", "dense", [1.0, 0.0, 1.0, 0.0], 0, ValueError, r"`group_size` must be >= 1, got 0"),
+    ("dense rollout for smd", "smd", "dense", [1.0, 0.0, 1.0, 0.0], 2, ValueError,
+     r"mode='smd' needs compressed rollouts \(Rollout.shadow_mask is None\)"),
+    ("compressed rollout for dense", "dense", "compressed", [1.0, 0.0, 1.0, 0.0], 2, ValueError,
+     r"mode='dense' got a compressed rollout .* is mode='naive'"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("mode", "kind", "rewards", "group", "error", "pattern"),
+    [c[1:] for c in EXPERIENCE_ERRORS],
+    ids=[c[0] for c in EXPERIENCE_ERRORS],
+)
+def test_make_experience_rejects(mode, kind, rewards, group, error, pattern, tiny_policy, rollouts):
+    module = GRPOModule(tiny_policy, mode=mode, compressor=None if mode == "dense" else SNAPKV)
+    with pytest.raises(error, match=pattern):
+        module.make_experience(rollouts[kind], torch.tensor(rewards), group_size=group)
+
+
+def test_training_step_names_the_batch_it_expects(tiny_policy):
+    with pytest.raises(TypeError, match=r"expects an Experience batch, got dict; build one from a Rollout"):
+        GRPOModule(tiny_policy, mode="dense").training_step({"input_ids": torch.ones(1, 2)}, 0)
+
+
+def _grpo_case(policy, tokenizer):
+    rows = Dataset.from_dict({"prompt": ["12 + 3 =", "4 + 56 ="]})
+    data = RolloutDataModule(
+        rows, tokenizer, [lambda prompts, completions, **_: [0.0] * len(completions)], prompts_per_step=2,
+        num_generations=2, max_new_tokens=2, use_chat_template=False,
+    )  # fmt: skip
+    return GRPOModule(policy, mode="dense"), data
+
+
+def _sft_case(policy, tokenizer):
+    rows = Dataset.from_dict({"prompt": ["12 + 3 ="], "solution": ["15"]})
+    return SFTModule(policy), SupervisedDataModule(rows, tokenizer, batch_size=1, use_chat_template=False)
+
+
+def _distill_case(policy, tokenizer):
+    rows = Dataset.from_dict({"prompt": ["12 + 3 ="]})
+    data = DistillDataModule(rows, tokenizer, batch_size=1, use_chat_template=False)
+    teacher = build_tiny_model("qwen3", tokenizer=build_tiny_tokenizer(), seed=1)
+    return DistillModule(policy, teacher, max_new_tokens=2), data
+
+
+@pytest.mark.parametrize(
+    ("case", "pattern"),
+    [
+        (_grpo_case, r"the data side's tokenizer has 123 tokens but `policy` only 103 output ids"),
+        (_sft_case, r"the data side's tokenizer has 123 tokens but `policy` only 103 output ids"),
+        (_distill_case, r"the data side's tokenizer has 123 tokens but the student only 103 output ids"),
+    ],
+    ids=["grpo", "sft", "distill"],
+)
+def test_a_tokenizer_larger_than_the_model_fails_at_fit_start(case, pattern):
+    bigger = build_tiny_tokenizer(extra_tokens=[f"<extra_{i}>" for i in range(20)])
+    module, data = case(build_tiny_model("qwen3", tokenizer=build_tiny_tokenizer()), bigger)
+    trainer = L.Trainer(
+        max_steps=1, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
+        enable_model_summary=False,
+    )  # fmt: skip
+    with pytest.raises(ValueError, match=pattern):
+        trainer.fit(module, data)
