@@ -22,7 +22,8 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
-from lit_smd.datamodules.teacher_cache import CacheMetadata, build_teacher_cache
+from lit_smd.datamodules.teacher_cache import CacheMetadata
+from lit_smd.datamodules.teacher_cache_build import build_teacher_cache
 
 __all__ = ["LitSmdCLI", "cache_teacher", "console_main", "main"]
 

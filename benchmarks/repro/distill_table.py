@@ -83,7 +83,7 @@ def distill_cells(out: Path, seeds: list[int], cells: list[str], steps: int) -> 
             if cell.endswith("+curriculum"):
                 configs.append(str(HERE / "configs/curriculum.yaml"))
             argv = ["fit"] + [arg for config in configs for arg in ("--config", config)] + [
-                "--seed_everything", str(seed), "--model.init_args.seed", str(seed),
+                "--seed_everything", str(seed), "--model.init_args.sampling_seed", str(seed),
                 "--model.init_args.student", str(student), "--model.init_args.teacher", str(teacher_policy(out)),
                 "--data.init_args.tokenizer", str(student), "--data.init_args.seed", str(seed),
                 "--model.init_args.export_dir", str(out / "policies" / name), "--trainer.max_steps", str(steps),

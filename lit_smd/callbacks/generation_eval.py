@@ -28,7 +28,7 @@ Scoring
     (`lit_smd.metrics.PassAtK`), avg@k the mean per-prompt success rate over the ``num_samples`` completions, with its
     standard error (`lit_smd.metrics.AvgAtK`). Per the papers' conventions, report them with n (``num_samples``), k,
     the temperature, top-p and ``max_new_tokens``. The whole evaluation runs as the module's ``"eval"`` phase
-    (`lit_smd.datamodules.rollout.report_phase`), which `lit_smd.callbacks.MemoryProfiler` measures.
+    (`lit_smd.datamodules.experience.report_phase`), which `lit_smd.callbacks.MemoryProfiler` measures.
 
 Logged keys (at the end of each validation / test loop, ``self.log`` with ``on_epoch=True``, so they also appear in
 what ``trainer.validate`` / ``trainer.test`` return)
@@ -56,7 +56,7 @@ from torchmetrics import MeanMetric, Metric
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
-from lit_smd.datamodules.rollout import report_phase
+from lit_smd.datamodules.experience import report_phase
 from lit_smd.metrics import AvgAtK, PassAtK, ResponseLength
 from lit_smd.models import load_tokenizer
 from lit_smd.rewards import (

@@ -35,7 +35,7 @@ Phases
     counts as ``forward``. A step that runs no backward reports only ``forward``.
 
     Reported by the module or the data side through the module's optional ``phase_listeners`` list
-    (`lit_smd.datamodules.rollout.report_phase`): ``rollout`` (`lit_smd.datamodules.RolloutDataModule.collect`:
+    (`lit_smd.datamodules.experience.report_phase`): ``rollout`` (`lit_smd.datamodules.RolloutDataModule.collect`:
     sampling, rewards and the no-grad scoring of `GRPOModule.make_experience`; it runs while Lightning fetches the
     batch, before ``on_train_batch_start``), ``teacher`` (SMD's no-grad dense pass, nested in ``forward``), ``eval``
     (`lit_smd.callbacks.GenerationEval`, in validation loops), and any other name a module reports. A phase nested in
@@ -341,7 +341,7 @@ class MemoryProfiler(Callback):
     # ------------------------------------------------------------------------------ phases reported by the module
 
     def _on_phase(self, name: str, started: bool) -> None:
-        """The `lit_smd.datamodules.rollout.PhaseListener` registered in the module's ``phase_listeners``."""
+        """The `lit_smd.datamodules.experience.PhaseListener` registered in the module's ``phase_listeners``."""
         if self._meter is None:
             return
         if started:

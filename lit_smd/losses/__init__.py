@@ -9,7 +9,8 @@ from lit_smd.losses.grpo import (
     mismatch_stats,
     policy_loss,
 )
-from lit_smd.losses.kl import KLOutput, chunked_token_kl, sampled_reverse_kl, token_kl, topk_token_kl
+from lit_smd.losses.kl import KLOutput, chunked_token_kl, sampled_reverse_kl, token_kl
+from lit_smd.losses.kl_topk import topk_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.losses.sparse_rl import SparseRLConfig, SparseRLCorrection, sparse_rl_correction
 

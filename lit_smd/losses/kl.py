@@ -13,14 +13,16 @@ Algorithm
         d KL(q_S || p_T) / ds_v = q_v * (log q_v - log p_v - KL(q_S || p_T))
 
     The teacher is always behind a stop-gradient. Tokens are reduced by a (weighted) mean over valid tokens or by an
-    explicit denominator. Four entry points:
+    explicit denominator. Three entry points here:
 
     - ``token_kl``: the naive reference on materialised ``[N, V]`` logits (autograd does the backward).
     - ``chunked_token_kl``: the lm_head and the KL fused and chunked over tokens, so the student and teacher ``[N, V]``
       logits never exist whole; gradients equal ``token_kl``'s.
-    - ``topk_token_kl``: against cached top-k teacher log-probs (offline distillation), optionally chunked the same way.
     - ``sampled_reverse_kl``: reverse KL from the sampled tokens only, as REINFORCE with the dense reward
       ``r = log p_T - log q_S``.
+
+    The fourth, ``topk_token_kl`` against cached top-k teacher log-probs (offline distillation), lives in
+    `lit_smd.losses.kl_topk` and reuses this module's chunked machinery and validation.
 
     Uses. Distillation: the teacher is another model (``chunked_token_kl`` with the teacher's hidden states and lm_head,
     or ``topk_token_kl`` with a cache). SMD-GRPO: the teacher is a no-grad dense forward of the same weights and the
@@ -31,14 +33,10 @@ Algorithm
 Papers
     Decoupled KL and trajectories, arXiv 2605.16826 (forward/reverse/mixed token KL; Proposition 1 gives the sampled
     reverse-KL gradient). GKD, arXiv 2306.13649 (token-level full-vocabulary divergences). Liger-Kernel, arXiv
-    2410.10989 (fused-linear chunked losses, gradients computed in the forward). DistillKit (arcee-ai) for the top-k
-    tail conventions. SMD, arXiv 2605.06850.
+    2410.10989 (fused-linear chunked losses, gradients computed in the forward). SMD, arXiv 2605.06850.
 
 Departures
     - No ``tau**2`` factor (Hinton) on the loss: scale it yourself if you want temperature-independent gradient sizes.
-    - Top-k: the cached log-probs are taken to be the teacher distribution at the distillation temperature (capture the
-      cache at that temperature); ``temperature`` scales the student logits only. DistillKit re-tempers cached
-      log-probs as ``p ** (T_capture / T_distill)`` instead; that is exact only for the renormalised top-k.
     - Unlike Liger's fused JSD, masked rows are excluded from the loss and the statistics (they still cost compute:
       select the rows you need first when many are masked).
     - Teacher log-probabilities are clamped at the dtype's most negative finite value, so ``-inf`` teacher logits
@@ -49,12 +47,10 @@ Departures
 
 import math
 from collections.abc import Callable
-from typing import Literal, NamedTuple
+from typing import NamedTuple
 
 import torch
 from torch import Tensor
-
-TailMode = Literal["renormalize", "bucket"]
 
 # (student log-probs chunk [C, V] (owned), row slice, need_grad)
 #     -> (loss per row [C], stats per row [C, 3], d loss_rows / d scaled student logits [C, V] or None)
@@ -222,119 +218,6 @@ def chunked_token_kl(
 
     return _fused_linear_kl(
         student_hidden, lm_head_weight, lm_head_bias, rows_fn, dtype, temperature, mask, normalizer, chunk_size
-    )
-
-
-def topk_token_kl(
-    student: Tensor,
-    teacher_topk_ids: Tensor,
-    teacher_topk_logprobs: Tensor,
-    *,
-    lm_head_weight: Tensor | None = None,
-    lm_head_bias: Tensor | None = None,
-    tail: TailMode = "renormalize",
-    forward_weight: float = 1.0,
-    reverse_weight: float = 0.0,
-    temperature: float = 1.0,
-    mask: Tensor | None = None,
-    normalizer: float | Tensor | None = None,
-    chunk_size: int = 1024,
-) -> KLOutput:
-    """Token KL against cached top-k teacher log-probs (DistillKit semantics).
-
-    With ``K`` the cached ids, ``log p_i`` the cached teacher log-probs and ``log q`` the student's full-vocabulary
-    temperature-scaled log-softmax:
-
-    - ``"renormalize"``: the teacher's top-k is renormalised, ``p~ = p_K / sum(p_K)``. Forward:
-      ``sum_K p~_i (log p~_i - log q_i)`` with the student log-probs gathered at ``K``, *not* renormalised (this pulls
-      student mass into ``K``; DistillKit's ``zero`` mode). Reverse: ``KL(q~ || p~)`` with the student also
-      renormalised over ``K``, ``q~ = q_K / sum(q_K)``. The reverse term is blind to student mass outside ``K``; use
-      ``"bucket"`` to penalise it.
-    - ``"bucket"``: both sides become distributions over ``k + 1`` outcomes, the ``k`` ids plus a "rest" bucket
-      holding ``1 - sum_K`` (DistillKit's ``symmetric_uniform``). Forward and reverse are the two KLs between these
-      coarse-grained distributions, so each is at most the corresponding full KL. The student's rest mass is computed
-      exactly (log-sum-exp over the ids outside ``K``); the teacher's as ``log(1 - sum_K p)``; both are floored at the
-      dtype's smallest normal number.
-
-    With ``k = V`` both modes equal the full-vocabulary loss. The cache is taken to be at the distillation temperature:
-    ``temperature`` scales the student logits only.
-
-    Args:
-        student: Student logits ``[N, V]`` / ``[B, T, V]``, or hidden states ``[N, H]`` / ``[B, T, H]`` when
-            ``lm_head_weight`` is given (then computed chunk by chunk like ``chunked_token_kl``).
-        teacher_topk_ids: Vocabulary ids of the cached top-k, integer, shape ``[N, k]`` / ``[B, T, k]``.
-        teacher_topk_logprobs: Teacher log-probs (full-vocabulary normalised) at those ids, same shape.
-        lm_head_weight: Student output projection ``[V, H]``; selects the hidden-state form of ``student``.
-        lm_head_bias: Student output bias ``[V]``; needs ``lm_head_weight``.
-        tail: How the teacher mass outside the top-k is handled, ``"renormalize"`` or ``"bucket"``.
-        forward_weight: ``w_f >= 0``, weight of the forward term.
-        reverse_weight: ``w_r >= 0``, weight of the reverse term; not both weights may be 0.
-        temperature: ``tau > 0`` dividing the student logits.
-        mask: Valid tokens, shape ``[N]`` or ``[B, T]``; bool, or float per-token weights. ``None`` keeps all.
-        normalizer: Denominator of the loss; ``None`` is the mask sum (see ``chunked_token_kl``).
-        chunk_size: Rows per chunk in the hidden-state form.
-
-    Returns:
-        ``KLOutput``; ``forward_kl`` and ``reverse_kl`` are the top-k terms defined above.
-
-    Raises:
-        ValueError: On invalid weights, temperature, tail, normalizer or chunk size, ``k < 1`` or ``k > V``, or
-            mismatched shapes.
-    """
-    _check_kl_args(forward_weight, reverse_weight, temperature)
-    if tail not in ("renormalize", "bucket"):
-        raise ValueError(f"tail must be 'renormalize' or 'bucket', got {tail!r}")
-    if lm_head_weight is None:
-        if lm_head_bias is not None:
-            raise ValueError("lm_head_bias is given without lm_head_weight")
-        vocab_size = student.shape[-1]
-    else:
-        _check_linear(student, lm_head_weight, lm_head_bias, "student", "lm_head_weight", "lm_head_bias")
-        vocab_size = lm_head_weight.shape[0]
-    token_shape = student.shape[:-1]
-    if teacher_topk_ids.is_floating_point() or teacher_topk_ids.is_complex() or teacher_topk_ids.dtype == torch.bool:
-        raise ValueError(f"teacher_topk_ids must be an integer tensor, got {teacher_topk_ids.dtype}")
-    if teacher_topk_ids.shape != teacher_topk_logprobs.shape:
-        raise ValueError(
-            f"teacher_topk_ids shape {tuple(teacher_topk_ids.shape)} != teacher_topk_logprobs shape "
-            f"{tuple(teacher_topk_logprobs.shape)}"
-        )
-    if teacher_topk_ids.shape[:-1] != token_shape:
-        raise ValueError(
-            f"teacher_topk_ids shape {tuple(teacher_topk_ids.shape)} does not match student shape "
-            f"{tuple(student.shape)} in the token dimensions"
-        )
-    k = teacher_topk_ids.shape[-1]
-    if not 1 <= k <= vocab_size:
-        raise ValueError(f"teacher_topk_ids: k must be in [1, vocab size {vocab_size}], got k={k}")
-    _check_mask(mask, token_shape)
-
-    dtype = _compute_dtype(student, teacher_topk_logprobs)
-    ids = teacher_topk_ids.reshape(-1, k).long()  # [N, k]
-    teacher_logprobs = _clamp_log(teacher_topk_logprobs.detach().reshape(-1, k).to(dtype))  # [N, k]
-
-    if lm_head_weight is None:
-        log_q = _log_softmax(student.reshape(-1, vocab_size).to(dtype) / temperature)  # [N, V]
-        forward_kl, reverse_kl, entropy = _topk_kl_terms(log_q, ids, teacher_logprobs, tail)  # [N] each
-        weights = _token_weights(mask, token_shape, dtype, forward_kl.device).reshape(-1)  # [N]
-        loss = weights @ (forward_weight * forward_kl + reverse_weight * reverse_kl) / _denominator(weights, normalizer)
-        return _kl_output(loss, torch.stack([forward_kl, reverse_kl, entropy], -1).detach(), weights)
-
-    def rows_fn(log_q: Tensor, rows: slice, need_grad: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-        with torch.enable_grad():
-            # log_softmax is idempotent: re-applying it to the log-probs lets autograd give the gradient wrt the
-            # scaled logits, which is what the caller pushes through the lm_head.
-            scaled_logits = log_q.requires_grad_(need_grad)  # [C, V]
-            forward_kl, reverse_kl, entropy = _topk_kl_terms(
-                torch.log_softmax(scaled_logits, -1), ids[rows], teacher_logprobs[rows], tail
-            )  # [C] each
-            loss_rows = forward_weight * forward_kl + reverse_weight * reverse_kl  # [C]
-            # Rows are independent, so the gradient of the row sum holds every row's own gradient.
-            grad = torch.autograd.grad(loss_rows.sum(), scaled_logits)[0] if need_grad else None  # [C, V]
-        return loss_rows.detach(), torch.stack([forward_kl, reverse_kl, entropy], -1).detach(), grad
-
-    return _fused_linear_kl(
-        student, lm_head_weight, lm_head_bias, rows_fn, dtype, temperature, mask, normalizer, chunk_size
     )
 
 
@@ -511,42 +394,6 @@ def _full_kl_rows(
     return loss_rows, stats, grad
 
 
-def _topk_kl_terms(
-    log_q: Tensor, ids: Tensor, teacher_logprobs: Tensor, tail: TailMode
-) -> tuple[Tensor, Tensor, Tensor]:
-    """Top-k forward KL, reverse KL and student entropy per row (differentiable in the first two).
-
-    Args:
-        log_q: ``[C, V]`` student log-probs (temperature-scaled log-softmax), compute dtype.
-        ids: ``[C, k]`` cached teacher ids.
-        teacher_logprobs: ``[C, k]`` cached teacher log-probs, clamped, compute dtype.
-        tail: ``"renormalize"`` or ``"bucket"`` (see ``topk_token_kl``).
-
-    Returns:
-        Forward KL ``[C]``, reverse KL ``[C]``, detached student entropy ``[C]``.
-    """
-    with torch.no_grad():
-        entropy = -_rowdot(log_q.exp(), log_q)  # [C]
-    log_q_k = log_q.gather(-1, ids)  # [C, k]
-    if tail == "renormalize":
-        log_p_k = teacher_logprobs - teacher_logprobs.logsumexp(-1, keepdim=True)  # [C, k] log p~
-        log_q_renorm = log_q_k - log_q_k.logsumexp(-1, keepdim=True)  # [C, k] log q~
-        return _kl(log_p_k, log_q_k), _kl(log_q_renorm, log_p_k), entropy
-    floor = math.log(torch.finfo(log_q.dtype).tiny)
-    # Exact student rest mass: log-sum-exp over the ids outside K (K filled with the most negative finite value,
-    # which keeps k = V finite; the floor then zeroes its gradient).
-    log_q_rest = log_q.scatter(-1, ids, torch.finfo(log_q.dtype).min).logsumexp(-1, keepdim=True)  # [C, 1]
-    log_p_rest = _log1mexp(teacher_logprobs.logsumexp(-1, keepdim=True))  # [C, 1]
-    log_q_k = torch.cat([log_q_k, log_q_rest.clamp(min=floor)], -1)  # [C, k + 1]
-    log_p_k = torch.cat([teacher_logprobs, log_p_rest.clamp(min=floor)], -1)  # [C, k + 1]
-    return _kl(log_p_k, log_q_k), _kl(log_q_k, log_p_k), entropy
-
-
-def _kl(log_a: Tensor, log_b: Tensor) -> Tensor:
-    """``KL(a || b)`` per row from log-probabilities ``[..., K]`` -> ``[...]``."""
-    return (log_a.exp() * (log_a - log_b)).sum(-1)
-
-
 def _rowdot(a: Tensor, b: Tensor) -> Tensor:
     """Row-wise dot product ``[C, V] x [C, V] -> [C]`` without a ``[C, V]`` temporary (einsum lowers it to bmm)."""
     return torch.einsum("cv,cv->c", a, b)
@@ -577,11 +424,6 @@ def _clamp_log(log_probs: Tensor) -> Tensor:
     """Clamp ``-inf`` log-probs so zero-probability entries contribute ``0 * finite = 0`` to KL sums."""
     return log_probs.clamp(min=torch.finfo(log_probs.dtype).min)
 
-
-def _log1mexp(x: Tensor) -> Tensor:
-    """``log(1 - exp(x))`` for ``x <= 0`` (clamped), accurate near both ends (Maechler, 2012)."""
-    x = x.clamp(max=0.0)
-    return torch.where(x > -math.log(2.0), torch.log(-torch.expm1(x)), torch.log1p(-torch.exp(x)))
 
 
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:

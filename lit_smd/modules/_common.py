@@ -12,6 +12,8 @@ from transformers import PreTrainedModel
 OptimizerCallable = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 LRSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
 NonFiniteAction = Literal["skip", "stop"]
+ModelDType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
+"""Parameter dtype of models the modules load from a path (`lit_smd.models.load_causal_lm`'s ``dtype``)."""
 
 SKIPPED_STEPS_KEY = "train/nonfinite_skipped_steps"
 

@@ -20,7 +20,7 @@ Algorithm
       (`lit_smd.losses.kl.chunked_token_kl`): neither model's ``[tokens, vocab]`` logits exist whole, gradients equal
       the naive computation's.
     - ``"topk"``: against the teacher's ``top_k`` log-probs (cached, or computed online), the tail renormalised or
-      kept as one bucket (``tail``; `lit_smd.losses.kl.topk_token_kl`).
+      kept as one bucket (``tail``; `lit_smd.losses.kl_topk.topk_token_kl`).
     - ``"sampled"``: reverse KL only, as REINFORCE with the dense reward ``log p_T - log q_S`` on the student's own
       sampled tokens, stop-gradient on the reward (`lit_smd.losses.kl.sampled_reverse_kl`); student prefixes only.
 
@@ -38,7 +38,7 @@ Departures
       so the sampled estimator is unbiased; there is no top-p / top-k truncation of the prefixes. No ``tau**2`` factor.
     - The mixture is a weighted sum of the two KLs (as NeMo-RL's ``mixed``), not GKD's generalised JSD.
     - The mix coin is drawn per batch (GKD: per step, the same thing without gradient accumulation), seeded by
-      ``(seed, global_step, batch_idx)``, so a resumed run draws what the original run would have.
+      ``(sampling_seed, global_step, batch_idx)``, so a resumed run draws what the original run would have.
     - The teacher is kept out of the module's children: it is never trained, moved, cast or saved by Lightning
       (checkpoints hold only the student). A bitsandbytes-quantized teacher stays where it was loaded.
     - With ``lora`` only the student's LoRA adapters are trained (`lit_smd.lora`); `export_student` merges them into
@@ -63,7 +63,7 @@ import math
 import warnings
 from dataclasses import replace
 from pathlib import Path
-from typing import Literal, get_args
+from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -74,14 +74,17 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from lit_smd.callbacks.entropy_curriculum import ProbeStats
 from lit_smd.datamodules.distill import PromptBatch
 from lit_smd.datamodules.rollout import require_full_weights
-from lit_smd.datamodules.teacher_cache import CachedBatch, CacheMetadata, teacher_topk_logprobs, tokenizer_fingerprint
+from lit_smd.datamodules.teacher_cache import CachedBatch, CacheMetadata, tokenizer_fingerprint
+from lit_smd.datamodules.teacher_cache_build import teacher_topk_logprobs
 from lit_smd.lora import LoraSettings, add_lora, check_lora, save_pretrained_merged
 from lit_smd.losses.grpo import masked_mean
-from lit_smd.losses.kl import TailMode, chunked_token_kl, sampled_reverse_kl, topk_token_kl
+from lit_smd.losses.kl import chunked_token_kl, sampled_reverse_kl
+from lit_smd.losses.kl_topk import TailMode, topk_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
-from lit_smd.models import Quantization, check_pretrained_source, check_quantization, load_causal_lm, load_tokenizer
+from lit_smd.models import Quantization, load_causal_lm, load_tokenizer
 from lit_smd.modules._common import (
     LRSchedulerCallable,
+    ModelDType,
     NonFiniteAction,
     NonFiniteGuard,
     OptimizerCallable,
@@ -89,13 +92,13 @@ from lit_smd.modules._common import (
     freeze,
     prepare_trainable,
 )
+from lit_smd.modules._distill_checks import check_distill_args
 from lit_smd.rollout import Rollout, completion_hidden_states, generate
 
 __all__ = ["DistillModule", "Estimator", "PrefixSource"]
 
 PrefixSource = Literal["teacher", "student", "mix"]
 Estimator = Literal["full", "topk", "sampled"]
-ModelDType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
 
 EXPORT_METADATA = "lit_smd_distill.json"
 
@@ -139,7 +142,9 @@ class DistillModule(LightningModule):
         disable_dropout: Set the student's dropout probabilities to 0.
         export_dir: Write the trained student (and the data side's tokenizer) here with ``save_pretrained`` when fit
             ends (rank 0).
-        seed: Seed of the mix coin and of the sampling.
+        sampling_seed: Seed of the mix coin and of the sampling (student prefixes, `probe`). Not named ``seed``: the
+            DataModules' ``seed`` (shuffling) is another hyperparameter, and Lightning refuses to log a module and a
+            DataModule whose hyperparameters share a key with different values.
         on_nonfinite: What a NaN / inf loss part (``distill/forward_kl`` / ``distill/reverse_kl`` when weighted,
             ``train/loss``) or gradient does, checked before each optimizer step: ``"stop"`` raises a
             ``FloatingPointError`` naming the step and the part before the weights change; ``"skip"`` drops that
@@ -169,12 +174,12 @@ class DistillModule(LightningModule):
         lora: LoraSettings | None = None,
         disable_dropout: bool = True,
         export_dir: str | None = None,
-        seed: int = 0,
+        sampling_seed: int = 0,
         on_nonfinite: NonFiniteAction = "stop",
     ) -> None:
         super().__init__()
         self.nonfinite_guard = NonFiniteGuard(on_nonfinite)
-        _check_init_args(
+        check_distill_args(
             student, teacher, prefix_source, student_prefix_probability, forward_weight, reverse_weight, temperature,
             estimator, top_k, tail, max_new_tokens, teacher_quantization, logits_chunk_size, model_dtype,
         )  # fmt: skip
@@ -198,7 +203,7 @@ class DistillModule(LightningModule):
         self.disable_dropout = disable_dropout
         self.lora = lora
         self.export_dir = export_dir
-        self.seed = seed
+        self.sampling_seed = sampling_seed
         self._max_new_tokens = max_new_tokens
         self._student_source = student if isinstance(student, str) else None
         self._teacher_source = teacher if isinstance(teacher, str) else None
@@ -233,14 +238,15 @@ class DistillModule(LightningModule):
     def probe(self, prompts: PromptBatch) -> ProbeStats:
         """The student's completions of ``prompts`` at the current length and its mean per-token predictive entropy.
 
-        Sampling is seeded by ``seed`` alone, so two probes of the same weights agree. The student is put in eval
-        mode for the probe and restored.
+        Sampling is seeded by ``sampling_seed`` alone, so two probes of the same weights agree. The student is put in
+        eval mode for the probe and restored.
         """
         prompts = prompts.to(self.device)
         was_training = self.student.training
         self.student.eval()
         try:
-            rollout = self._generate(self.student, prompts, torch.Generator(self.device).manual_seed(self.seed))
+            generator = torch.Generator(self.device).manual_seed(self.sampling_seed)
+            rollout = self._generate(self.student, prompts, generator)
             hidden = completion_hidden_states(self.student, rollout, shadow=False)  # [B, N, H]
             head = self.student.get_output_embeddings()
             _, entropy = token_logprobs_and_entropy(
@@ -499,12 +505,12 @@ class DistillModule(LightningModule):
     def _draw_student_prefix(self, batch_idx: int) -> bool:
         if self.prefix_source != "mix":
             return self.prefix_source == "student"
-        generator = torch.Generator().manual_seed(_seed(self.seed, self.global_step, batch_idx, 0))
+        generator = torch.Generator().manual_seed(_seed(self.sampling_seed, self.global_step, batch_idx, 0))
         return bool(torch.rand((), generator=generator) < self.student_prefix_probability)
 
     def _generator(self, batch_idx: int) -> torch.Generator:
         # Per rank: ranks sampling their different prompts with one random stream would draw correlated completions.
-        seed = _seed(self.seed, self.global_step, batch_idx, 1, self.global_rank)
+        seed = _seed(self.sampling_seed, self.global_step, batch_idx, 1, self.global_rank)
         return torch.Generator(self.device).manual_seed(seed)
 
     def _generate(self, model: PreTrainedModel, prompts: PromptBatch, generator: torch.Generator | None) -> Rollout:
@@ -544,69 +550,3 @@ def _seed(*parts: int) -> int:
     """A deterministic 63-bit seed from integers (the hash of an int tuple does not depend on PYTHONHASHSEED)."""
     return hash(parts) % 2**63
 
-
-def _check_init_args(
-    student: object,
-    teacher: object,
-    prefix_source: str,
-    student_prefix_probability: float,
-    forward_weight: float,
-    reverse_weight: float,
-    temperature: float,
-    estimator: str,
-    top_k: int,
-    tail: str,
-    max_new_tokens: int,
-    teacher_quantization: str | None,
-    logits_chunk_size: int,
-    model_dtype: str,
-) -> None:
-    for name, model in (("student", student), ("teacher", teacher)):
-        if isinstance(model, str):
-            check_pretrained_source(model, name)
-        elif not isinstance(model, PreTrainedModel) and (name == "student" or model is not None):
-            raise ValueError(f"{name} must be a Hugging Face causal LM, a hub id or a local directory, got {model!r}")
-    if model_dtype not in get_args(ModelDType):
-        raise ValueError(f"model_dtype must be one of {get_args(ModelDType)}, got {model_dtype!r}")
-    if prefix_source not in ("teacher", "student", "mix"):
-        raise ValueError(f"prefix_source must be 'teacher', 'student' or 'mix', got {prefix_source!r}")
-    if not 0.0 <= student_prefix_probability <= 1.0:
-        raise ValueError(f"student_prefix_probability must be in [0, 1], got {student_prefix_probability}")
-    for name, value in (("forward_weight", forward_weight), ("reverse_weight", reverse_weight)):
-        if not (value >= 0 and math.isfinite(value)):
-            raise ValueError(f"{name} must be finite and >= 0, got {value}")
-    if forward_weight == 0 and reverse_weight == 0:
-        raise ValueError("forward_weight and reverse_weight are both 0: the loss would be identically zero")
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
-    if estimator not in ("full", "topk", "sampled"):
-        raise ValueError(f"estimator must be 'full', 'topk' or 'sampled', got {estimator!r}")
-    if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
-        raise ValueError(f"top_k must be an integer >= 1, got {top_k!r}")
-    if tail not in ("renormalize", "bucket"):
-        raise ValueError(f"tail must be 'renormalize' or 'bucket', got {tail!r}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if logits_chunk_size < 1:
-        raise ValueError(f"logits_chunk_size must be >= 1, got {logits_chunk_size}")
-    if estimator == "sampled" and prefix_source != "student":
-        raise ValueError(
-            f"estimator='sampled' needs tokens sampled from the student: set prefix_source='student' (got "
-            f"{prefix_source!r}), or use estimator='full' / 'topk'"
-        )
-    if estimator == "sampled" and forward_weight != 0:
-        raise ValueError(
-            f"estimator='sampled' estimates the reverse KL only: set forward_weight=0 (got {forward_weight}), or use "
-            "estimator='full' / 'topk' for a forward or mixed KL"
-        )
-    if teacher is None and (estimator != "topk" or prefix_source != "teacher"):
-        raise ValueError(
-            f"teacher=None works only with cached teacher prefixes and estimator='topk'; prefix_source="
-            f"{prefix_source!r} with estimator={estimator!r} needs a `teacher`"
-        )
-    if teacher_quantization is not None:
-        if teacher_quantization not in ("8bit", "4bit"):
-            raise ValueError(f"teacher_quantization must be None, '8bit' or '4bit', got {teacher_quantization!r}")
-        if not isinstance(teacher, str):
-            raise ValueError("teacher_quantization applies when `teacher` is a path; quantize a loaded model yourself")
-        check_quantization(teacher_quantization, "teacher_quantization")

@@ -73,26 +73,26 @@ Logged keys (TensorBoard, every training step unless noted)
 """
 
 import copy
-import math
 import time
 import warnings
-from typing import Any, Literal, get_args
+from typing import Any, Literal
 
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lit_smd.datamodules.rollout import Experience, PhaseListener, report_phase
+from lit_smd.datamodules.experience import Experience, PhaseListener, report_phase
 from lit_smd.kv import Compressor
 from lit_smd.lora import LoraSettings, add_lora, check_lora, lora_disabled
 from lit_smd.losses.grpo import LossType, ScaleRewards, group_advantages, masked_mean, mismatch_stats, policy_loss
 from lit_smd.losses.kl import KLOutput, chunked_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.losses.sparse_rl import SparseRLConfig, sparse_rl_correction
-from lit_smd.models import Quantization, check_pretrained_source, check_quantization, load_causal_lm
+from lit_smd.models import Quantization, load_causal_lm
 from lit_smd.modules._common import (
     LRSchedulerCallable,
+    ModelDType,
     NonFiniteAction,
     NonFiniteGuard,
     OptimizerCallable,
@@ -100,13 +100,15 @@ from lit_smd.modules._common import (
     freeze,
     prepare_trainable,
 )
+from lit_smd.modules._grpo_checks import check_grpo_args, check_rollout
+from lit_smd.modules._grpo_metrics import rollout_metrics, sparse_rl_metrics
 from lit_smd.rollout import Rollout, completion_hidden_states
 
 __all__ = ["GRPOModule", "Mode"]
 
 Mode = Literal["dense", "naive", "sparse_rl", "smd"]
 KLStopGradient = Literal["dense", "masked"]
-ModelDType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
+
 
 class GRPOModule(LightningModule):
     """GRPO learner for dense, naive, Sparse-RL and SMD training on (compressed-cache) rollouts.
@@ -118,7 +120,7 @@ class GRPOModule(LightningModule):
     Interface used by the data side (`lit_smd.datamodules.RolloutLearner`): ``policy``, ``compressor``,
     ``temperature`` and `make_experience`.
 
-    Observers: ``phase_listeners`` (`lit_smd.datamodules.rollout.PhaseListener`s, empty by default) are told when the
+    Observers: ``phase_listeners`` (`lit_smd.datamodules.experience.PhaseListener`s, empty by default) are told when the
     no-grad dense pass of SMD runs (phase ``"teacher"``) and, by the data side, when a rollout runs (``"rollout"``);
     `lit_smd.callbacks.MemoryProfiler` registers one to measure each phase's peak memory.
 
@@ -205,16 +207,11 @@ class GRPOModule(LightningModule):
     ) -> None:
         super().__init__()
         self.nonfinite_guard = NonFiniteGuard(on_nonfinite)
-        _check_init_args(
-            policy, reference, mode, compressor, temperature, scale_rewards, loss_type, epsilon, epsilon_high, beta,
-            kl_coef, kl_stop_gradient, sparse_rl, logits_chunk_size, scoring_batch_size, model_dtype,
+        check_grpo_args(
+            policy, reference, mode, compressor, reference_quantization, temperature, scale_rewards, loss_type,
+            epsilon, epsilon_high, beta, kl_coef, kl_stop_gradient, sparse_rl, logits_chunk_size, scoring_batch_size,
+            model_dtype,
         )  # fmt: skip
-        check_quantization(reference_quantization, "reference_quantization")
-        if reference_quantization is not None and not isinstance(reference, str):
-            raise ValueError(
-                "reference_quantization applies when `reference` is a path (hub id or directory), e.g. the policy's "
-                "own checkpoint; quantize a loaded model yourself"
-            )
         check_lora(lora, disable_dropout)
         ignored = [
             name for name, value in (("policy", policy), ("reference", reference)) if isinstance(value, torch.nn.Module)
@@ -273,7 +270,7 @@ class GRPOModule(LightningModule):
                 f"GRPOModule.training_step expects an Experience batch, got {type(batch).__name__}; build one from a "
                 "Rollout with GRPOModule.make_experience, or train with lit_smd.datamodules.RolloutDataModule"
             )
-        self._check_rollout(batch.rollout)
+        check_rollout(self.mode, batch.rollout)
         rollout = batch.rollout
         hidden = completion_hidden_states(self.policy, rollout, shadow=self.uses_shadow_view)  # [B, N, H]
         logprobs, entropy = self._token_logprobs(self.policy, hidden, rollout.completion_ids)  # [B, N], [B, N]
@@ -495,7 +492,7 @@ class GRPOModule(LightningModule):
                 malformed or non-finite.
         """
         self.configure_model()  # no-op under a Trainer; loads / copies the models when called before fit
-        self._check_rollout(rollout)
+        check_rollout(self.mode, rollout)
         rollout = rollout.to(self.device)
         rewards = torch.as_tensor(rewards, device=self.device).flatten()
         if rewards.numel() != len(rollout):
@@ -510,20 +507,13 @@ class GRPOModule(LightningModule):
                     "batch gives no policy gradient; raise max_new_tokens or turn the masking off",
                     stacklevel=2,
                 )
-        out_metrics = _rollout_metrics(rollout, rewards, advantages, group_size, reward_components or {})
+        out_metrics = rollout_metrics(rollout, rewards, advantages, group_size, reward_components or {})
         old_logprobs, token_weights = rollout.logprobs, None
         if self.mode == "sparse_rl":
             old_logprobs = self._score(self.policy, rollout, shadow=False)  # [B, N] dense pi_old
             correction = sparse_rl_correction(old_logprobs, rollout.logprobs, loss_mask, self.sparse_rl)
             loss_mask, token_weights = correction.mask, correction.weights
-            for name in (
-                "rejected_sequence_fraction",
-                "masked_token_fraction",
-                "weight_mean",
-                "weight_min",
-                "weight_max",
-            ):
-                out_metrics[f"sparse_rl/{name}"] = float(getattr(correction, name))
+            out_metrics.update(sparse_rl_metrics(correction))
         ref_logprobs = None
         if self.reference is not None:
             ref_logprobs = self._score(self.reference, rollout, shadow=self.uses_shadow_view)  # [B, N]
@@ -545,18 +535,6 @@ class GRPOModule(LightningModule):
 
     # --------------------------------------------------------------------------------------------------- helpers
 
-    def _check_rollout(self, rollout: Rollout) -> None:
-        if self.mode == "smd" and rollout.shadow_mask is None:
-            raise ValueError(
-                "mode='smd' needs compressed rollouts (Rollout.shadow_mask is None): sample with the module's "
-                "compressor, or use mode='dense' for dense rollouts"
-            )
-        if self.mode == "dense" and rollout.shadow_mask is not None:
-            raise ValueError(
-                "mode='dense' got a compressed rollout (it has a shadow mask); training a dense learner on it "
-                "without correction is mode='naive'"
-            )
-
     def _token_logprobs(self, model: PreTrainedModel, hidden: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
         lm_head = model.get_output_embeddings()
         return token_logprobs_and_entropy(
@@ -576,94 +554,6 @@ class GRPOModule(LightningModule):
         return torch.cat(parts)
 
 
-def _rollout_metrics(
-    rollout: Rollout, rewards: Tensor, advantages: Tensor, group_size: int, components: dict[str, Tensor]
-) -> dict[str, float]:
-    """Reward, advantage, length and KV statistics of one rollout batch."""
-    rewards = rewards.double()
-    grouped = rewards.view(-1, group_size)  # [B / G, G]
-    lengths = rollout.completion_lengths.double()  # [B]
-    metrics = {
-        "rollout/reward_mean": rewards.mean(),
-        "rollout/reward_std": rewards.std() if rewards.numel() > 1 else rewards.new_zeros(()),
-        "rollout/advantage_mean": advantages.double().mean(),
-        "rollout/advantage_std": advantages.double().std() if advantages.numel() > 1 else rewards.new_zeros(()),
-        "rollout/advantage_abs_max": advantages.double().abs().max(),
-        "rollout/zero_std_group_fraction": (grouped.amax(dim=1) == grouped.amin(dim=1)).double().mean(),
-        "rollout/completion_length_mean": lengths.mean(),
-        "rollout/completion_length_max": lengths.max(),
-        "rollout/truncated_fraction": rollout.truncated.double().mean(),
-    }
-    for name, values in components.items():
-        metrics[f"rollout/reward/{name}"] = torch.as_tensor(values).double().mean()
-    if rollout.shadow_mask is not None:
-        metrics["kv/visible_fraction"] = rollout.shadow_mask.visible_fraction(
-            rollout.prompt_lengths, rollout.completion_mask
-        )
-    return {key: float(value) for key, value in metrics.items()}
-
-
 def _synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-
-
-def _check_init_args(
-    policy: object,
-    reference: object,
-    mode: str,
-    compressor: object,
-    temperature: float,
-    scale_rewards: str,
-    loss_type: str,
-    epsilon: float,
-    epsilon_high: float | None,
-    beta: float,
-    kl_coef: float,
-    kl_stop_gradient: str,
-    sparse_rl: object,
-    logits_chunk_size: int,
-    scoring_batch_size: int | None,
-    model_dtype: str,
-) -> None:
-    for name, model in (("policy", policy), ("reference", reference)):
-        if isinstance(model, str):
-            check_pretrained_source(model, name)
-        elif not isinstance(model, PreTrainedModel) and (name == "policy" or model is not None):
-            raise ValueError(f"{name} must be a Hugging Face causal LM, a hub id or a local directory, got {model!r}")
-    modes = ("dense", "naive", "sparse_rl", "smd")
-    if mode not in modes:
-        raise ValueError(f"mode must be one of {modes}, got {mode!r}")
-    if mode == "dense" and compressor is not None:
-        raise ValueError(
-            f"mode='dense' samples without KV compression, but a compressor was given ({compressor!r}); drop it, "
-            "or pick mode='naive', 'sparse_rl' or 'smd'"
-        )
-    if mode != "dense" and compressor is None:
-        raise ValueError(f"mode={mode!r} samples with a compressed KV cache: pass a compressor (e.g. SnapKV(0.5))")
-    if compressor is not None and not isinstance(compressor, Compressor):
-        raise ValueError(f"compressor must be a lit_smd.kv compressor, got {compressor!r}")
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
-    if scale_rewards not in get_args(ScaleRewards):
-        raise ValueError(f"scale_rewards must be one of {get_args(ScaleRewards)}, got {scale_rewards!r}")
-    if loss_type not in get_args(LossType):
-        raise ValueError(f"loss_type must be one of {get_args(LossType)}, got {loss_type!r}")
-    if not 0 <= epsilon <= 1:
-        raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
-    if epsilon_high is not None and not (epsilon_high >= 0 and math.isfinite(epsilon_high)):
-        raise ValueError(f"epsilon_high must be finite and >= 0, or None (= epsilon), got {epsilon_high}")
-    if not (beta >= 0 and math.isfinite(beta)):
-        raise ValueError(f"beta must be finite and >= 0, got {beta}")
-    if not (kl_coef >= 0 and math.isfinite(kl_coef)):
-        raise ValueError(f"kl_coef must be finite and >= 0, got {kl_coef}")
-    if kl_stop_gradient not in ("dense", "masked"):
-        raise ValueError(f"kl_stop_gradient must be 'dense' or 'masked', got {kl_stop_gradient!r}")
-    if sparse_rl is not None and not isinstance(sparse_rl, SparseRLConfig):
-        raise ValueError(f"sparse_rl must be a lit_smd.losses.SparseRLConfig or None, got {sparse_rl!r}")
-    if model_dtype not in get_args(ModelDType):
-        raise ValueError(f"model_dtype must be one of {get_args(ModelDType)}, got {model_dtype!r}")
-    if logits_chunk_size < 1:
-        raise ValueError(f"logits_chunk_size must be >= 1, got {logits_chunk_size}")
-    if scoring_batch_size is not None and scoring_batch_size < 1:
-        raise ValueError(f"scoring_batch_size must be >= 1 or None, got {scoring_batch_size}")

@@ -27,7 +27,7 @@ Logged keys (TensorBoard)
 
 import warnings
 from pathlib import Path
-from typing import Literal, get_args
+from typing import get_args
 
 import torch
 from lightning.pytorch import LightningModule
@@ -39,6 +39,7 @@ from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.models import check_pretrained_source, load_causal_lm, load_tokenizer
 from lit_smd.modules._common import (
     LRSchedulerCallable,
+    ModelDType,
     NonFiniteAction,
     NonFiniteGuard,
     OptimizerCallable,
@@ -47,8 +48,6 @@ from lit_smd.modules._common import (
 )
 
 __all__ = ["SFTModule"]
-
-ModelDType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
 
 
 class SFTModule(LightningModule):

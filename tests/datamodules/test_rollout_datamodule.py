@@ -10,7 +10,8 @@ import lightning as L
 import pytest
 import torch
 
-from lit_smd.datamodules.rollout import Experience, ExperienceStream, RolloutDataModule
+from lit_smd.datamodules.experience import Experience
+from lit_smd.datamodules.rollout import ExperienceStream, RolloutDataModule
 from lit_smd.kv import RecentWindow, SnapKV
 from lit_smd.models import save_tiny_checkpoint
 from lit_smd.modules.grpo import GRPOModule

@@ -18,10 +18,10 @@ from lit_smd.datamodules import (
     TeacherCacheError,
     build_teacher_cache,
     load_teacher_cache,
+    teacher_cache_build,
     teacher_topk_logprobs,
     tokenizer_fingerprint,
 )
-from lit_smd.datamodules import teacher_cache as teacher_cache_module
 from lit_smd.models import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
 from lit_smd.modules import DistillModule
 from lit_smd.tasks import arithmetic
@@ -29,15 +29,6 @@ from lit_smd.tasks import arithmetic
 TOP_K = 8
 MAX_NEW_TOKENS = 8
 TEACHER = {"hidden_size": 96, "num_layers": 3, "num_heads": 6, "seed": 1}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread: on the shared, loaded CPUs two threads make these small ops up to 17x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")
@@ -193,7 +184,7 @@ def test_an_existing_cache_is_never_damaged(cache, copy_of, teacher, tokenizer, 
             raise RuntimeError("teacher crashed")
         return teacher_topk_logprobs(*args, **kwargs)
 
-    monkeypatch.setattr(teacher_cache_module, "teacher_topk_logprobs", fail_on_second_batch)
+    monkeypatch.setattr(teacher_cache_build, "teacher_topk_logprobs", fail_on_second_batch)
     with pytest.raises(RuntimeError, match="teacher crashed"):
         build_teacher_cache(teacher, prompts(tokenizer), str(path), top_k=4, max_new_tokens=4, overwrite=True)
     assert files_of(path) == original, "a failed rebuild touched the existing cache"

@@ -1,4 +1,4 @@
-"""Tests for lit_smd.losses.kl: exact values, gradient identities, chunked/top-k equivalence and validation."""
+"""Tests for lit_smd.losses.kl and kl_topk: exact values, gradient identities, chunked/top-k equivalence, validation."""
 
 import math
 
@@ -6,7 +6,8 @@ import pytest
 import torch
 from torch import Tensor
 
-from lit_smd.losses.kl import KLOutput, chunked_token_kl, sampled_reverse_kl, token_kl, topk_token_kl
+from lit_smd.losses.kl import KLOutput, chunked_token_kl, sampled_reverse_kl, token_kl
+from lit_smd.losses.kl_topk import topk_token_kl
 
 V, H, H_T = 11, 6, 5
 DT = torch.float64

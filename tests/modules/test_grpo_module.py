@@ -8,7 +8,8 @@ import torch
 from lightning.pytorch.loggers import TensorBoardLogger
 from torch.utils.data import DataLoader
 
-from lit_smd.datamodules.rollout import Experience, RolloutDataModule
+from lit_smd.datamodules.experience import Experience
+from lit_smd.datamodules.rollout import RolloutDataModule
 from lit_smd.kv import RecentWindow, SnapKV
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.models import save_tiny_checkpoint

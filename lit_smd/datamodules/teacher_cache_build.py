@@ -1,0 +1,304 @@
+"""Building the offline teacher-logit cache (``lit-smd cache-teacher``): teacher trajectories and top-k log-probs.
+
+Algorithm
+    `build_teacher_cache` runs the teacher over a prompt set (`lit_smd.datamodules.DistillDataModule`, the same
+    prompts an online run uses): it samples ``num_samples`` trajectories per prompt (`lit_smd.rollout.generate`, dense)
+    and re-scores them teacher-forced (`teacher_topk_logprobs`, which `lit_smd.modules.DistillModule` also uses
+    online), keeping at every completion position the ``top_k`` largest log-probs of the temperature-scaled
+    full-vocabulary distribution, sorted descending. The format, the checks on loading and the DataModule that trains
+    from the result are in `lit_smd.datamodules.teacher_cache`.
+
+Safety
+    A cache is built in a temporary sibling folder and moved into place only when complete, so an interrupted or failed
+    build leaves nothing behind and never touches an existing cache; replacing one needs ``overwrite=True`` (and only a
+    lit_smd cache or an empty folder is ever replaced).
+
+Departures
+    - DistillKit's polynomial tail compression is not implemented: plain top-k only.
+    - The build writes the Arrow data twice (a streamed staging file, then ``save_to_disk``): twice the cache size of
+      free disk is needed while building.
+"""
+
+import importlib.metadata
+import json
+import logging
+import math
+import os
+import shutil
+import uuid
+from dataclasses import asdict
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+import pyarrow as pa
+import torch
+import torch.nn.functional as F
+import transformers
+from datasets import Dataset
+from datasets.arrow_writer import ArrowWriter
+from torch import Tensor
+from transformers import PreTrainedModel
+
+from lit_smd.datamodules.distill import DistillDataModule
+from lit_smd.datamodules.teacher_cache import FEATURES, METADATA_FILE, CacheMetadata, file_sha256, tokenizer_fingerprint
+from lit_smd.models import Quantization, check_pretrained_source, load_causal_lm
+from lit_smd.rollout import Rollout, completion_hidden_states, generate
+
+__all__ = ["build_teacher_cache", "teacher_topk_logprobs"]
+
+logger = logging.getLogger(__name__)
+
+ModelDType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
+
+
+@torch.no_grad()
+def teacher_topk_logprobs(
+    model: PreTrainedModel, rollout: Rollout, k: int, temperature: float = 1.0, chunk_size: int = 1024
+) -> tuple[Tensor, Tensor]:
+    """The teacher's ``k`` largest log-probs at every completion position, teacher-forced, in chunks of rows.
+
+    Args:
+        model: The teacher (a Hugging Face causal LM).
+        rollout: Trajectories to score (dense view).
+        k: Entries kept per position, ``1 <= k <= V``.
+        temperature: Temperature of the distribution.
+        chunk_size: Rows projected to the vocabulary at a time.
+
+    Returns:
+        ``(ids [B, N, k] long, logprobs [B, N, k] float32)``, sorted by decreasing log-prob; rows past a completion's
+        end hold meaningless values.
+    """
+    head = model.get_output_embeddings()
+    vocab_size = head.weight.shape[0]
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab_size:
+        raise ValueError(f"top_k must be an integer in [1, vocab size {vocab_size}], got {k!r}")
+    hidden = completion_hidden_states(model, rollout, shadow=False)  # [B, N, H]
+    rows = hidden.reshape(-1, hidden.shape[-1])  # [B*N, H]
+    dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
+    ids, values = [], []
+    for start in range(0, rows.shape[0], chunk_size):
+        logits = F.linear(rows[start : start + chunk_size], head.weight, head.bias).to(dtype) / temperature  # [C, V]
+        top = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [C, k] each
+        values.append(top.values)
+        ids.append(top.indices)
+    shape = (*hidden.shape[:2], k)
+    return torch.cat(ids).view(shape), torch.cat(values).view(shape)
+
+
+def build_teacher_cache(
+    teacher: str | PreTrainedModel,
+    data: DistillDataModule,
+    output_dir: str,
+    top_k: int = 64,
+    temperature: float = 1.0,
+    max_new_tokens: int = 512,
+    num_samples: int = 1,
+    top_p: float = 1.0,
+    batch_size: int | None = None,
+    teacher_revision: str | None = None,
+    model_dtype: ModelDType = "auto",
+    quantization: Quantization | None = None,
+    device: str = "auto",
+    chunk_size: int = 1024,
+    seed: int = 0,
+    overwrite: bool = False,
+) -> CacheMetadata:
+    """Sample teacher trajectories for every prompt of ``data`` and write them with top-k teacher log-probs.
+
+    This is the ``lit-smd cache-teacher`` command. The cache is complete and checksummed when this returns; an error
+    part-way leaves ``output_dir`` as it was.
+
+    Args:
+        teacher: The teacher: hub id / local directory, or a loaded model (used on its device).
+        data: The prompts (every prompt, probe set included, in order).
+        output_dir: Folder of the cache; must not exist unless ``overwrite``.
+        top_k: Teacher log-probs kept per position.
+        temperature: Sampling temperature, and the temperature of the stored log-probs (train at the same one).
+        max_new_tokens: Longest trajectory (cache at the top of a length curriculum: training truncates).
+        num_samples: Trajectories per prompt.
+        top_p: Nucleus sampling mass.
+        batch_size: Prompts per generation batch; None uses ``data.batch_size``.
+        teacher_revision: Hub revision of the teacher to load (and record).
+        model_dtype: Teacher parameter dtype when loaded from a path.
+        quantization: Load the teacher in bitsandbytes ``"8bit"`` / ``"4bit"`` (CUDA only).
+        device: ``"auto"`` (CUDA when available), ``"cpu"``, ``"cuda"``, ``"cuda:1"``...; ignored for a loaded model.
+        chunk_size: Rows projected to the vocabulary at a time when scoring.
+        seed: Seed of the sampling.
+        overwrite: Replace an existing cache at ``output_dir`` (kept until the new one is complete).
+
+    Returns:
+        The cache's metadata (``bytes_per_token`` among it).
+
+    Raises:
+        FileExistsError: ``output_dir`` exists and ``overwrite`` is False, or it is not a cache / empty folder.
+        ValueError: Invalid settings (``top_k`` outside ``[1, V]``, ``temperature <= 0``, ...).
+    """
+    target = Path(output_dir)
+    _check_target(target, overwrite)
+    for name, value in (("max_new_tokens", max_new_tokens), ("num_samples", num_samples), ("chunk_size", chunk_size)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
+    if isinstance(teacher, str):
+        check_pretrained_source(teacher, "teacher")
+        model = load_causal_lm(teacher, dtype=model_dtype, quantization=quantization, revision=teacher_revision)
+        if quantization is None:
+            model.to(("cuda" if torch.cuda.is_available() else "cpu") if device == "auto" else device)
+    else:
+        model = teacher
+    model.eval()
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    if isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= vocab_size:
+        raise ValueError(f"top_k must be an integer in [1, teacher vocab size {vocab_size}], got {top_k!r}")
+    if len(data.tokenizer) > vocab_size:
+        raise ValueError(
+            f"the tokenizer of `data` has {len(data.tokenizer)} tokens but the teacher only {vocab_size} output ids: "
+            "teacher and tokenizer do not belong together"
+        )
+    model_device = next(model.parameters()).device
+    configured = getattr(model.generation_config, "eos_token_id", None)
+    configured = configured if isinstance(configured, list) else [configured]
+    data.setup()
+    eos_ids = sorted({*data.eos_token_ids, *(i for i in configured if i is not None)})
+    generator = torch.Generator(device=model_device).manual_seed(seed)
+
+    staging = target.parent / f".{target.name}.staging-{uuid.uuid4().hex[:8]}"
+    building = target.parent / f".{target.name}.building-{uuid.uuid4().hex[:8]}"
+    try:
+        staging.mkdir(parents=True)
+        num_tokens = 0
+        with ArrowWriter(features=FEATURES, path=str(staging / "data.arrow")) as writer:
+            for batch in data.prompt_batches(batch_size):
+                batch = batch.to(model_device)
+                rollout = generate(
+                    model, batch.prompt_ids, batch.prompt_mask, max_new_tokens=max_new_tokens,
+                    temperature=temperature, top_p=top_p, num_samples=num_samples, eos_token_id=eos_ids,
+                    pad_token_id=batch.pad_token_id, generator=generator,
+                )  # fmt: skip
+                ids, logprobs = teacher_topk_logprobs(model, rollout, top_k, temperature, chunk_size)
+                writer.write_table(_rows_table(rollout, ids, logprobs, batch.prompt_index, num_samples))
+                num_tokens += int(rollout.completion_mask.sum())
+            writer.finalize()
+        Dataset.from_file(str(staging / "data.arrow")).save_to_disk(str(building))
+        files = {
+            path.name: {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
+            for path in sorted(building.iterdir())
+            if path.is_file()
+        }
+        num_prompts = len(data.prompt_ids)
+        metadata = CacheMetadata(
+            teacher=teacher if isinstance(teacher, str) else str(getattr(model, "name_or_path", "") or "<model>"),
+            teacher_revision=teacher_revision or getattr(model.config, "_commit_hash", None),
+            tokenizer_fingerprint=tokenizer_fingerprint(data.tokenizer),
+            vocab_size=vocab_size,
+            top_k=top_k,
+            temperature=float(temperature),
+            top_p=float(top_p),
+            max_new_tokens=max_new_tokens,
+            num_samples=num_samples,
+            seed=seed,
+            eos_token_ids=eos_ids,
+            num_rows=num_prompts * num_samples,
+            num_prompts=num_prompts,
+            num_completion_tokens=num_tokens,
+            data=_json_safe(_describe(data)),
+            files=files,
+            created=datetime.now(timezone.utc).isoformat(timespec="seconds"),
+            versions={
+                "torch": torch.__version__, "transformers": transformers.__version__, "lit_smd": _package_version()
+            },
+        )
+        (building / METADATA_FILE).write_text(json.dumps(asdict(metadata), indent=2))
+        _move_into_place(building, target)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+        shutil.rmtree(building, ignore_errors=True)
+    logger.info("teacher cache %s: %d trajectories, %.1f bytes/token", target, metadata.num_rows,
+                metadata.bytes_per_token)
+    return metadata
+
+
+def _rows_table(rollout: Rollout, ids: Tensor, logprobs: Tensor, prompt_index: Tensor, num_samples: int) -> pa.Table:
+    """One Arrow row per trajectory (valid tokens only), from batched tensors."""
+    mask = rollout.completion_mask.cpu()  # [B, N]
+    lengths = mask.sum(1).numpy()
+    prompt_mask = rollout.prompt_mask.cpu()
+
+    def lists(values: np.ndarray, per_row: np.ndarray) -> pa.ListArray:
+        offsets = np.concatenate([[0], np.cumsum(per_row)]).astype(np.int32)
+        return pa.ListArray.from_arrays(pa.array(offsets), pa.array(values))
+
+    k = ids.shape[-1]
+    rows = len(rollout)
+    return pa.table(
+        {
+            "prompt_index": pa.array(prompt_index.cpu().repeat_interleave(num_samples).numpy().astype(np.int32)),
+            "sample_index": pa.array(np.tile(np.arange(num_samples, dtype=np.int32), rows // num_samples)),
+            "prompt_ids": lists(
+                rollout.prompt_ids.cpu()[prompt_mask].numpy().astype(np.int32), prompt_mask.sum(1).numpy()
+            ),
+            "completion_ids": lists(rollout.completion_ids.cpu()[mask].numpy().astype(np.int32), lengths),
+            "completion_logprobs": lists(rollout.logprobs.cpu()[mask].numpy().astype(np.float16), lengths),
+            "topk_ids": lists(ids.cpu()[mask].reshape(-1).numpy().astype(np.int32), lengths * k),
+            "topk_logprobs": lists(logprobs.cpu()[mask].reshape(-1).numpy().astype(np.float16), lengths * k),
+            "finish_reason": pa.array(rollout.finish_reason, pa.string()),
+        },
+        schema=FEATURES.arrow_schema,
+    )
+
+
+def _check_target(target: Path, overwrite: bool) -> None:
+    if not target.exists():
+        return
+    if not overwrite:
+        raise FileExistsError(
+            f"output_dir {target} already exists; pass overwrite=True to replace it (the old cache stays in place "
+            "until the new one is complete)"
+        )
+    if target.is_dir() and ((target / METADATA_FILE).is_file() or not any(target.iterdir())):
+        return
+    raise FileExistsError(f"output_dir {target} exists and is not a lit_smd teacher cache: refusing to replace it")
+
+
+def _move_into_place(built: Path, target: Path) -> None:
+    """Rename ``built`` to ``target``; an existing ``target`` is removed only after the new one is in place."""
+    if not target.exists():
+        os.replace(built, target)
+        return
+    old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
+    os.replace(target, old)
+    try:
+        os.replace(built, target)
+    except OSError:
+        os.replace(old, target)
+        raise
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def _describe(data: DistillDataModule) -> dict[str, Any]:
+    """The prompt DataModule's settings; a dataset given as an object is named by its fingerprint."""
+    settings = dict(data.hparams)
+    if isinstance(data.dataset, Dataset):
+        settings["dataset"] = f"<datasets.Dataset fingerprint={data.dataset._fingerprint}, {len(data.dataset)} rows>"
+    return settings
+
+
+def _json_safe(value: Any) -> Any:
+    """``value`` with anything JSON cannot hold replaced by its ``repr``."""
+    if isinstance(value, dict):
+        return {str(key): _json_safe(item) for key, item in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_json_safe(item) for item in value]
+    if value is None or isinstance(value, (str, int, float, bool)):
+        return value
+    return repr(value)
+
+
+def _package_version() -> str:
+    try:
+        return importlib.metadata.version("lit_smd")
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"

@@ -1,0 +1,107 @@
+"""Argument validation of `lit_smd.modules.GRPOModule`: its constructor arguments, and a rollout against its mode.
+
+Each check raises ``ValueError`` naming the offending parameter and what is valid, before any model is loaded or run.
+"""
+
+import math
+from typing import get_args
+
+from transformers import PreTrainedModel
+
+from lit_smd.kv import Compressor
+from lit_smd.losses.grpo import LossType, ScaleRewards
+from lit_smd.losses.sparse_rl import SparseRLConfig
+from lit_smd.models import check_pretrained_source, check_quantization
+from lit_smd.modules._common import ModelDType
+from lit_smd.rollout import Rollout
+
+
+def check_grpo_args(
+    policy: object,
+    reference: object,
+    mode: str,
+    compressor: object,
+    reference_quantization: str | None,
+    temperature: float,
+    scale_rewards: str,
+    loss_type: str,
+    epsilon: float,
+    epsilon_high: float | None,
+    beta: float,
+    kl_coef: float,
+    kl_stop_gradient: str,
+    sparse_rl: object,
+    logits_chunk_size: int,
+    scoring_batch_size: int | None,
+    model_dtype: str,
+) -> None:
+    """Validate `GRPOModule`'s constructor arguments (see its docstring for the valid values).
+
+    Raises:
+        ValueError: Naming the first invalid argument and what is valid.
+    """
+    for name, model in (("policy", policy), ("reference", reference)):
+        if isinstance(model, str):
+            check_pretrained_source(model, name)
+        elif not isinstance(model, PreTrainedModel) and (name == "policy" or model is not None):
+            raise ValueError(f"{name} must be a Hugging Face causal LM, a hub id or a local directory, got {model!r}")
+    modes = ("dense", "naive", "sparse_rl", "smd")
+    if mode not in modes:
+        raise ValueError(f"mode must be one of {modes}, got {mode!r}")
+    if mode == "dense" and compressor is not None:
+        raise ValueError(
+            f"mode='dense' samples without KV compression, but a compressor was given ({compressor!r}); drop it, "
+            "or pick mode='naive', 'sparse_rl' or 'smd'"
+        )
+    if mode != "dense" and compressor is None:
+        raise ValueError(f"mode={mode!r} samples with a compressed KV cache: pass a compressor (e.g. SnapKV(0.5))")
+    if compressor is not None and not isinstance(compressor, Compressor):
+        raise ValueError(f"compressor must be a lit_smd.kv compressor, got {compressor!r}")
+    if not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be finite and > 0, got {temperature}")
+    if scale_rewards not in get_args(ScaleRewards):
+        raise ValueError(f"scale_rewards must be one of {get_args(ScaleRewards)}, got {scale_rewards!r}")
+    if loss_type not in get_args(LossType):
+        raise ValueError(f"loss_type must be one of {get_args(LossType)}, got {loss_type!r}")
+    if not 0 <= epsilon <= 1:
+        raise ValueError(f"epsilon must be in [0, 1], got {epsilon}")
+    if epsilon_high is not None and not (epsilon_high >= 0 and math.isfinite(epsilon_high)):
+        raise ValueError(f"epsilon_high must be finite and >= 0, or None (= epsilon), got {epsilon_high}")
+    if not (beta >= 0 and math.isfinite(beta)):
+        raise ValueError(f"beta must be finite and >= 0, got {beta}")
+    if not (kl_coef >= 0 and math.isfinite(kl_coef)):
+        raise ValueError(f"kl_coef must be finite and >= 0, got {kl_coef}")
+    if kl_stop_gradient not in ("dense", "masked"):
+        raise ValueError(f"kl_stop_gradient must be 'dense' or 'masked', got {kl_stop_gradient!r}")
+    if sparse_rl is not None and not isinstance(sparse_rl, SparseRLConfig):
+        raise ValueError(f"sparse_rl must be a lit_smd.losses.SparseRLConfig or None, got {sparse_rl!r}")
+    if model_dtype not in get_args(ModelDType):
+        raise ValueError(f"model_dtype must be one of {get_args(ModelDType)}, got {model_dtype!r}")
+    if logits_chunk_size < 1:
+        raise ValueError(f"logits_chunk_size must be >= 1, got {logits_chunk_size}")
+    if scoring_batch_size is not None and scoring_batch_size < 1:
+        raise ValueError(f"scoring_batch_size must be >= 1 or None, got {scoring_batch_size}")
+    check_quantization(reference_quantization, "reference_quantization")
+    if reference_quantization is not None and not isinstance(reference, str):
+        raise ValueError(
+            "reference_quantization applies when `reference` is a path (hub id or directory), e.g. the policy's "
+            "own checkpoint; quantize a loaded model yourself"
+        )
+
+
+def check_rollout(mode: str, rollout: Rollout) -> None:
+    """Check that ``rollout`` fits ``mode``: smd needs a shadow mask (compressed rollouts), dense must not have one.
+
+    Raises:
+        ValueError: The rollout does not fit the mode.
+    """
+    if mode == "smd" and rollout.shadow_mask is None:
+        raise ValueError(
+            "mode='smd' needs compressed rollouts (Rollout.shadow_mask is None): sample with the module's "
+            "compressor, or use mode='dense' for dense rollouts"
+        )
+    if mode == "dense" and rollout.shadow_mask is not None:
+        raise ValueError(
+            "mode='dense' got a compressed rollout (it has a shadow mask); training a dense learner on it "
+            "without correction is mode='naive'"
+        )
