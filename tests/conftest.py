@@ -9,6 +9,7 @@
 """
 
 import os
+import sys
 
 os.environ.setdefault("HF_HUB_OFFLINE", "1")  # tests never reach the hub; fail loudly if something tries
 
@@ -23,7 +24,19 @@ from lit_smd.models import TINY_FAMILIES, ModelFamily, build_tiny_model, build_t
 
 ModelFactory = Callable[..., PreTrainedModel]
 
-torch.set_num_threads(2)
+
+@pytest.fixture(autouse=True)
+def _one_thread_and_plain_argv(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
+    """One torch thread and an argv LightningCLI does not parse, for every test.
+
+    The tiny models run faster on one thread of the shared CPUs (idle OpenMP workers spin), and one thread gives one
+    reduction order, so runs compared for exact equality (resume, DDP replays) are deterministic.
+    """
+    monkeypatch.setattr(sys, "argv", ["lit-smd"])
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture(autouse=True)

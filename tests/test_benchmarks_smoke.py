@@ -10,7 +10,6 @@ import sys
 from pathlib import Path
 
 import pytest
-import torch
 
 BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
 
@@ -22,13 +21,6 @@ def run_all():
         yield importlib.import_module("run_all")
     finally:
         sys.path.remove(str(BENCHMARKS))
-
-
-@pytest.fixture(autouse=True)
-def _restore_threads():
-    threads = torch.get_num_threads()
-    yield
-    torch.set_num_threads(threads)
 
 
 def _run(run_all, part: str, tmp_path: Path) -> dict:

@@ -3,7 +3,6 @@ or with a ``configs/optim/`` overlay trains GRPO's policy and the distillation s
 quantized frozen models (GRPO reference, distillation teacher) fail clearly, before loading anything, without CUDA."""
 
 import json
-import sys
 from pathlib import Path
 
 import bitsandbytes as bnb
@@ -20,16 +19,6 @@ ROOT = Path(__file__).resolve().parents[1]
 QUICK = ["--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false", "--trainer.logger", "false",
          "--trainer.callbacks", "[]", "--trainer.enable_checkpointing", "false", "--trainer.accelerator", "cpu",
          "--trainer.precision", "32-true"]  # fmt: skip
-
-
-@pytest.fixture(autouse=True)
-def _cli_environment(monkeypatch):
-    """A plain argv for LightningCLI, and one torch thread (two are many times slower on the shared CPUs)."""
-    monkeypatch.setattr(sys, "argv", ["lit-smd"])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="module")

@@ -6,7 +6,6 @@ and GRPO trains from it.
 """
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -18,16 +17,6 @@ from lit_smd.models import build_tiny_model, build_tiny_tokenizer, load_tokenize
 from lit_smd.modules import DistillModule
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs/distill"
-
-
-@pytest.fixture(autouse=True)
-def _cli_environment(monkeypatch):
-    """A plain argv for LightningCLI, and one torch thread (two are many times slower on the shared CPUs)."""
-    monkeypatch.setattr(sys, "argv", ["lit-smd"])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def test_a_distilled_student_initialises_smd_grpo(tmp_path):

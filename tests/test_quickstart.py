@@ -9,7 +9,6 @@ reward.
 """
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
@@ -22,16 +21,6 @@ ROOT = Path(__file__).resolve().parents[1]
 WARMUP = ROOT / "configs/sft/quickstart_warmup.yaml"
 QUICKSTART = ROOT / "configs/grpo/quickstart_cpu.yaml"
 TASK = {"num_pairs": 6, "max_value": 99, "style": "compact"}
-
-
-@pytest.fixture(autouse=True)
-def _cli_environment(monkeypatch):
-    """A plain argv for LightningCLI, and one torch thread (two are many times slower on the shared CPUs)."""
-    monkeypatch.setattr(sys, "argv", ["lit-smd"])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 def scalars(log_dir: str | Path) -> dict[str, list[float]]:

@@ -34,15 +34,6 @@ def repro():
         sys.path.remove(str(REPRO))
 
 
-@pytest.fixture(autouse=True)
-def _cli_environment(monkeypatch):
-    monkeypatch.setattr(sys, "argv", ["lit-smd"])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def test_every_kind_of_cell_is_a_valid_cli_command(repro, tmp_path):
     smd, distill = repro["smd"], repro["distill"]
     save_tiny_checkpoint(smd.warmup_policy(tmp_path, 0))

@@ -49,15 +49,6 @@ Objects = tuple[L.LightningModule, L.LightningDataModule, list[L.Callback]]
 UNTIMED = ("time/",)  # wall-clock durations: the only logged values that may differ between runs
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread: faster on the shared CPUs, and one reduction order for every run."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class MemoryLogger(Logger):
     """Keeps every ``log_metrics`` call: ``(step, key) -> value``."""
 

@@ -10,12 +10,10 @@ same cases for users.
 """
 
 import hashlib
-import sys
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
-import torch
 from transformers import PreTrainedModel
 
 from lit_smd.models import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
@@ -34,16 +32,6 @@ def _tree_digest(path: Path) -> dict[str, str]:
 def tree_digest() -> Callable[[Path], dict[str, str]]:
     """`_tree_digest`: compare its result before and after a failing call to prove nothing on disk changed."""
     return _tree_digest
-
-
-@pytest.fixture(autouse=True)
-def _one_thread_and_plain_argv(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
-    """One torch thread (the shared CPUs are faster so for tiny models) and an argv LightningCLI does not parse."""
-    monkeypatch.setattr(sys, "argv", ["lit-smd"])
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
 
 
 @pytest.fixture(scope="session")

@@ -16,15 +16,6 @@ from lit_smd.tasks import arithmetic
 LADDER = [4, 8, 16, 32]
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread: on the shared, loaded CPUs two threads make these small ops up to 17x slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 class Scripted(L.LightningModule):
     """Implements `LengthCurriculumTarget`; ``probe`` returns the entropy scripted for the current global step."""
 

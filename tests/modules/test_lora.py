@@ -23,15 +23,6 @@ LORA = LoraSettings(r=4, alpha=8.0)
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread: on the shared, loaded CPUs two threads make these small ops many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def randomize_adapters(model: torch.nn.Module, seed: int = 0, std: float = 0.3) -> None:
     """Draw every LoRA ``B`` (zero at init) at random, so that the adapters change the model's outputs."""
     generator = torch.Generator().manual_seed(seed)

@@ -40,15 +40,6 @@ POISONED_STEP = 1  # 0-based: the second of three optimizer steps
 NAN, INF = float("nan"), float("inf")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread: on the shared, loaded CPUs two threads make these small ops many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def adamw(params):
     return torch.optim.AdamW(params, lr=1e-2, weight_decay=0.0)
 

@@ -12,15 +12,6 @@ from lit_smd.modules import SFTModule
 from lit_smd.tasks import key_value_retrieval
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """One torch thread: on the shared, loaded CPUs two threads make these small ops many times slower."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
-
-
 def retrieval_data(tokenizer, size: int = 32, **kwargs) -> SupervisedDataModule:
     rows = key_value_retrieval(size, num_pairs=4, max_value=9, style="compact", num_queries=4, seed=0)
     kwargs = {"prompt_column": "query_prompts", "target_column": "query_answers", "use_chat_template": False, **kwargs}
