@@ -128,3 +128,18 @@ def test_run_cells_refuses_results_of_other_settings(repro, tmp_path):
     assert json.loads((tmp_path / "cells" / "x.json").read_text())["cell"]["argv"][-1] == "5"  # left as it was
     (tmp_path / "cells" / "x.json").write_text(json.dumps({"cell": {"argv": cell.argv}}))
     assert runner.run_cells([cell], tmp_path, jobs=1) == {"x": {"cell": {"argv": cell.argv}}}  # done: not rerun
+
+
+def test_curves_are_drawn_for_both_tables(repro, tmp_path):
+    smd, distill = repro["smd"], repro["distill"]
+    curve = [[step, step / 10] for step in range(10)]
+    results = {
+        name: _result(name, {**meta, "seed": 0}, {"rollout/reward_mean": curve, "train/entropy": curve}, 0.5)
+        for name, meta in [("dense-seed0", {"mode": "dense"}),
+                           ("smd", {"mode": "smd", "lambda": 0.1, "budget": 0.5, "selection": "snapkv"})]
+    }  # fmt: skip
+    results["distill-student-forward-seed0"] = _result("d", {"kind": "distill"}, {"distill/forward_kl": curve}, 0.5)
+    smd.plot_curves(results, tmp_path / "smd.png", budget=0.5)
+    distill.plot_curves(results, tmp_path / "distill.png", seed=0)
+    for name in ("smd.png", "distill.png"):
+        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

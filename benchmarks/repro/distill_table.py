@@ -36,7 +36,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _runner import ROOT, Cell, run_cells  # noqa: E402
-from smd_table import EVAL, _fmt, _last, compressed_cell, grpo_argv, warmup_cell, warmup_policy  # noqa: E402
+from smd_table import EVAL, _fmt, _last, compressed_cell, grpo_argv, plot_smoothed, warmup_cell, warmup_policy  # noqa: E402
 
 CELLS = {
     "teacher-forward": ("teacher", "forward", ["teacher-forward.yaml"]),
@@ -201,12 +201,7 @@ def plot_curves(results: dict[str, dict[str, Any]], path: Path, seed: int) -> No
         runs = [results.get(f"distill-{cell}-seed{seed}"), results.get(f"rl-{cell}-seed{seed}")]
         for ax, (key, title) in zip(axes, keys, strict=True):
             for run in runs:
-                points = run and run["scalars"].get(key)
-                if points:
-                    steps, values = zip(*points, strict=True)
-                    w = max(1, len(values) // 15)
-                    ax.plot(steps, [sum(values[max(0, i - w + 1) : i + 1]) / len(values[max(0, i - w + 1) : i + 1])
-                                    for i in range(len(values))], label=cell)  # fmt: skip
+                plot_smoothed(ax, run and run["scalars"].get(key), cell, windows=15)
             ax.set_title(title, fontsize=9)
             ax.set_xlabel("step")
     axes[0].legend(fontsize=7)

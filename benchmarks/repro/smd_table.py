@@ -247,6 +247,15 @@ def summarise(results: dict[str, dict[str, Any]], initial: dict[str, float], ste
     return header + "\n".join(lines) + "\n", rows
 
 
+def plot_smoothed(ax: Any, points: list[list[float]] | None, label: str, windows: int = 20) -> None:
+    """Plot ``[[step, value], ...]`` on ``ax`` as a trailing moving average over 1/``windows`` of the run."""
+    if not points:
+        return
+    steps, values = zip(*points, strict=True)
+    width = max(1, len(values) // windows)
+    ax.plot(steps, [statistics.fmean(values[max(0, i - width + 1) : i + 1]) for i in range(len(values))], label=label)
+
+
 def plot_curves(results: dict[str, dict[str, Any]], path: Path, budget: float, selection: str = "snapkv") -> None:
     """Reward, entropy and completion-length curves per mode (seed 0) at ``budget`` with ``selection``."""
     import matplotlib
@@ -268,13 +277,7 @@ def plot_curves(results: dict[str, dict[str, Any]], path: Path, budget: float, s
         meta = result["cell"]["meta"]
         label = meta["mode"] + (f" λ={meta['lambda']}" if meta["mode"] == "smd" else "")
         for ax, (key, title) in zip(axes, keys, strict=True):
-            points = result["scalars"].get(key)
-            if not points:
-                continue
-            steps, values = zip(*points, strict=True)
-            window = max(1, len(values) // 20)
-            smooth = [statistics.fmean(values[max(0, i - window + 1) : i + 1]) for i in range(len(values))]
-            ax.plot(steps, smooth, label=label)
+            plot_smoothed(ax, result["scalars"].get(key), label)
             ax.set_title(title)
             ax.set_xlabel("step")
     axes[0].legend(fontsize=8)

@@ -7,7 +7,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
-from transformers import PreTrainedModel
+from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 OptimizerCallable = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 LRSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -156,3 +156,18 @@ def _describe_nonfinite(step: int, parts: list[str], any_part: bool, grad_names:
     elif not any_part:
         causes.append("gradients on another rank")
     return f"non-finite values at global step {step}: {'; '.join(causes)}"
+
+
+def check_tokenizer_fits(model: PreTrainedModel, datamodule: object, parameter: str) -> None:
+    """Raise when the DataModule's ``tokenizer`` has more tokens than ``model`` has output ids.
+
+    Such a tokenizer belongs to another model: its extra ids would index past the embedding (a raw ``IndexError``
+    mid-step). Called at fit start, once the model is loaded; DataModules without a ``tokenizer`` are not checked.
+    """
+    tokenizer = getattr(datamodule, "tokenizer", None)
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    if isinstance(tokenizer, PreTrainedTokenizerBase) and len(tokenizer) > vocab_size:
+        raise ValueError(
+            f"the data side's tokenizer has {len(tokenizer)} tokens but `{parameter}` only {vocab_size} output ids: "
+            f"`{parameter}` and the DataModule's `tokenizer` do not belong together"
+        )

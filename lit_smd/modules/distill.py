@@ -88,6 +88,7 @@ from lit_smd.modules._common import (
     NonFiniteAction,
     NonFiniteGuard,
     OptimizerCallable,
+    check_tokenizer_fits,
     configure_optimizers,
     freeze,
     prepare_trainable,
@@ -391,13 +392,7 @@ class DistillModule(LightningModule):
         if teacher is not None and getattr(teacher, "hf_quantizer", None) is None:
             teacher.to(self.device)  # quantized weights stay where bitsandbytes put them
         datamodule = self.trainer.datamodule
-        tokenizer = getattr(datamodule, "tokenizer", None)
-        vocab_size = self.student.get_output_embeddings().weight.shape[0]
-        if isinstance(tokenizer, PreTrainedTokenizerBase) and len(tokenizer) > vocab_size:
-            raise ValueError(
-                f"the data side's tokenizer has {len(tokenizer)} tokens but the student only {vocab_size} output ids: "
-                "`student` and the DataModule's `tokenizer` do not belong together"
-            )
+        check_tokenizer_fits(self.student, datamodule, "student")
         metadata = getattr(datamodule, "metadata", None)
         if isinstance(metadata, CacheMetadata):
             self.check_cache(metadata)

@@ -80,7 +80,7 @@ from typing import Any, Literal
 import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
-from transformers import PreTrainedModel, PreTrainedTokenizerBase
+from transformers import PreTrainedModel
 
 from lit_smd.datamodules.experience import Experience, PhaseListener, report_phase
 from lit_smd.kv import Compressor
@@ -96,6 +96,7 @@ from lit_smd.modules._common import (
     NonFiniteAction,
     NonFiniteGuard,
     OptimizerCallable,
+    check_tokenizer_fits,
     configure_optimizers,
     freeze,
     prepare_trainable,
@@ -428,13 +429,7 @@ class GRPOModule(LightningModule):
         # mode (activation checkpointing needs it; dropout is off unless disable_dropout=False). The reference stays
         # in eval mode, hence Lightning's "modules in eval mode" notice when there is one.
         self.policy.train()
-        tokenizer = getattr(self.trainer.datamodule, "tokenizer", None)
-        vocab_size = self.policy.get_output_embeddings().weight.shape[0]
-        if isinstance(tokenizer, PreTrainedTokenizerBase) and len(tokenizer) > vocab_size:
-            raise ValueError(
-                f"the data side's tokenizer has {len(tokenizer)} tokens but `policy` only {vocab_size} output ids: "
-                "`policy` and the DataModule's `tokenizer` do not belong together"
-            )
+        check_tokenizer_fits(self.policy, self.trainer.datamodule, "policy")
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.nonfinite_guard.check(self)  # skip or stop on NaN / inf, before gradient clipping and the step

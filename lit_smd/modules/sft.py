@@ -43,6 +43,7 @@ from lit_smd.modules._common import (
     NonFiniteAction,
     NonFiniteGuard,
     OptimizerCallable,
+    check_tokenizer_fits,
     configure_optimizers,
     prepare_trainable,
 )
@@ -191,13 +192,7 @@ class SFTModule(LightningModule):
     def on_fit_start(self) -> None:
         # from_pretrained and build_tiny_model return eval-mode models, and Lightning keeps the mode it finds.
         self.policy.train()
-        tokenizer = getattr(self.trainer.datamodule, "tokenizer", None)
-        vocab_size = self.policy.get_output_embeddings().weight.shape[0]
-        if isinstance(tokenizer, PreTrainedTokenizerBase) and len(tokenizer) > vocab_size:
-            raise ValueError(
-                f"the data side's tokenizer has {len(tokenizer)} tokens but `policy` only {vocab_size} output ids: "
-                "`policy` and the DataModule's `tokenizer` do not belong together"
-            )
+        check_tokenizer_fits(self.policy, self.trainer.datamodule, "policy")
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.nonfinite_guard.check(self)  # skip or stop on NaN / inf, before gradient clipping and the step

@@ -54,12 +54,17 @@ COMPRESSOR_FIELD_ERRORS = [
 ]
 
 
-@pytest.mark.parametrize(("field", "value", "pattern"), COMPRESSOR_FIELD_ERRORS, ids=lambda v: repr(v))
-@pytest.mark.parametrize("name", SINGLE_POLICIES)
+def _fields(name: str) -> set[str]:
+    return {f.name for f in dataclasses.fields(type(make_compressor(name)))}
+
+
+@pytest.mark.parametrize(
+    ("name", "field", "value", "pattern"),
+    [(name, *case) for name in SINGLE_POLICIES for case in COMPRESSOR_FIELD_ERRORS if case[0] in _fields(name)],
+    ids=lambda v: repr(v),
+)
 def test_compressor_rejects(name, field, value, pattern):
     cls = type(make_compressor(name))
-    if field not in {f.name for f in dataclasses.fields(cls)}:
-        pytest.skip(f"{cls.__name__} has no {field}")
     with pytest.raises(ValueError, match=pattern.format(cls=cls.__name__)):
         make_compressor(name, **{field: value})
 

@@ -219,7 +219,7 @@ def _distill_case(policy, tokenizer):
     [
         (_grpo_case, r"the data side's tokenizer has 123 tokens but `policy` only 103 output ids"),
         (_sft_case, r"the data side's tokenizer has 123 tokens but `policy` only 103 output ids"),
-        (_distill_case, r"the data side's tokenizer has 123 tokens but the student only 103 output ids"),
+        (_distill_case, r"the data side's tokenizer has 123 tokens but `student` only 103 output ids"),
     ],
     ids=["grpo", "sft", "distill"],
 )
