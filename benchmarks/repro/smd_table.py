@@ -210,7 +210,9 @@ def summarise(results: dict[str, dict[str, Any]], initial: dict[str, float], ste
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = []
-    for key in sorted(groups, key=lambda k: (k[0], SELECTIONS.index(k[1]) if k[1] else -1, k[2], k[3] or 0)):
+    order = {"dense": 0, "naive": 1, "sparse_rl": 2, "smd": 3}  # dense first, then by falling budget
+    for key in sorted(groups, key=lambda k: (k[2] != "dense", -k[0], SELECTIONS.index(k[1]) if k[1] else -1,
+                                             order[k[2]], k[3] or 0)):  # fmt: skip
         runs = groups[key]
         budget, selection, mode, lam = key
         seeds = [r["cell"]["meta"]["seed"] for r in runs]
