@@ -216,7 +216,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--out", default=str(ROOT / "out" / "repro"), help="work folder (resumable)")
     parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
     parser.add_argument("--cells", nargs="+", choices=list(CELLS), default=list(CELLS))
-    parser.add_argument("--distill-steps", type=int, default=150)
+    parser.add_argument("--distill-steps", type=int, default=600)
     parser.add_argument("--rl-steps", type=int, default=150, help="SMD-GRPO steps after distillation")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--warmup-max-steps", type=int, default=None, help="cap of the warm-ups and the teacher")
