@@ -36,7 +36,17 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _runner import ROOT, Cell, run_cells  # noqa: E402
-from smd_table import EVAL, _fmt, _last, compressed_cell, grpo_argv, plot_smoothed, warmup_cell, warmup_policy  # noqa: E402
+from smd_table import (  # noqa: E402
+    EVAL,
+    _fmt,
+    _last,
+    compressed_cell,
+    grpo_argv,
+    plot_smoothed,
+    save_figure,
+    warmup_cell,
+    warmup_policy,
+)
 
 CELLS = {
     "teacher-forward": ("teacher", "forward", ["teacher-forward.yaml"]),
@@ -203,12 +213,7 @@ def plot_curves(results: dict[str, dict[str, Any]], path: Path, seed: int) -> No
             for run in runs:
                 plot_smoothed(ax, run and run["scalars"].get(key), cell, windows=15)
             ax.set_title(title, fontsize=9)
-            ax.set_xlabel("step")
-    axes[0].legend(fontsize=7)
-    fig.suptitle(f"Decoupled-KL distillation cells, seed {seed}, moving average")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, axes, f"Decoupled-KL distillation cells, seed {seed}", path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

@@ -258,6 +258,19 @@ def plot_smoothed(ax: Any, points: list[list[float]] | None, label: str, windows
     ax.plot(steps, [statistics.fmean(values[max(0, i - width + 1) : i + 1]) for i in range(len(values))], label=label)
 
 
+def save_figure(fig: Any, axes: Any, title: str, path: Path) -> None:
+    """Legend on the first panel, a title, and the PNG at ``path``."""
+    import matplotlib.pyplot as plt
+
+    axes[0].legend(fontsize=7)
+    for ax in axes:
+        ax.set_xlabel("step")
+    fig.suptitle(f"{title}, moving average")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def plot_curves(results: dict[str, dict[str, Any]], path: Path, budget: float, selection: str = "snapkv") -> None:
     """Reward, entropy and completion-length curves per mode (seed 0) at ``budget`` with ``selection``."""
     import matplotlib
@@ -280,13 +293,8 @@ def plot_curves(results: dict[str, dict[str, Any]], path: Path, budget: float, s
         label = meta["mode"] + (f" λ={meta['lambda']}" if meta["mode"] == "smd" else "")
         for ax, (key, title) in zip(axes, keys, strict=True):
             plot_smoothed(ax, result["scalars"].get(key), label)
-            ax.set_title(title)
-            ax.set_xlabel("step")
-    axes[0].legend(fontsize=8)
-    fig.suptitle(f"GRPO modes, {round((1 - budget) * 100)}% KV compression ({selection}), seed 0, moving average")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+            ax.set_title(title, fontsize=9)
+    save_figure(fig, axes, f"GRPO modes, {round((1 - budget) * 100)}% KV compression ({selection}), seed 0", path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
