@@ -183,7 +183,7 @@ def merged_lora_state_dict(model: PreTrainedModel) -> dict[str, torch.Tensor]:
         for name, layer in layers.items():
             weight = layer.get_base_layer().weight
             delta = sum(layer.get_delta_weight(adapter) for adapter in layer.active_adapters)
-            state[f"{name}.weight"] = weight + delta.to(weight.dtype)
+            state[f"{name}.weight"] = (weight + delta.to(weight.dtype)).cpu()  # one layer on the device at a time
     return state
 
 

@@ -108,7 +108,7 @@ def check_pretrained_source(name_or_path: str, parameter: str) -> None:
         ValueError: ``name_or_path`` does not exist locally and is not of the form ``name`` / ``owner/name`` (a
             mistyped local path, caught before the hub is asked for it).
     """
-    if os.path.exists(os.path.expanduser(name_or_path)) or _HUB_ID.fullmatch(name_or_path):
+    if os.path.exists(name_or_path) or _HUB_ID.fullmatch(name_or_path):  # from_pretrained does not expand "~"
         return
     raise ValueError(
         f"{parameter}={name_or_path!r} is neither an existing local path nor a hub id ('name' or 'owner/name'); "

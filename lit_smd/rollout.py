@@ -389,8 +389,8 @@ def score(
         ``[B, N]`` log-probs of the temperature-scaled full-vocabulary distribution (0 where
         ``rollout.completion_mask`` is False).
     """
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
     hidden = completion_hidden_states(model, rollout, shadow=shadow, backend=backend)  # [B, N, H]
     logits = model.get_output_embeddings()(hidden)  # [B, N, V]
     dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32

@@ -7,6 +7,7 @@ The reproduction itself takes most of an hour (docs/results/README.md); these te
 
 import json
 import sys
+from dataclasses import asdict
 from pathlib import Path
 
 import pytest
@@ -120,26 +121,15 @@ def test_smd_table_aggregates_seeds(repro):
 
 def test_run_cells_refuses_results_of_other_settings(repro, tmp_path):
     runner = repro["runner"]
-    cell = runner.Cell("x", ["fit", "--trainer.max_steps", "3"])
-    (tmp_path / "cells").mkdir()
-    (tmp_path / "cells" / "x.json").write_text(json.dumps({"cell": {"argv": ["fit", "--trainer.max_steps", "5"]}}))
-    with pytest.raises(ValueError, match="other settings"):
-        runner.run_cells([cell], tmp_path, jobs=1)
-    assert json.loads((tmp_path / "cells" / "x.json").read_text())["cell"]["argv"][-1] == "5"  # left as it was
-    (tmp_path / "cells" / "x.json").write_text(json.dumps({"cell": {"argv": cell.argv}}))
-    assert runner.run_cells([cell], tmp_path, jobs=1) == {"x": {"cell": {"argv": cell.argv}}}  # done: not rerun
-
-
-def test_curves_are_drawn_for_both_tables(repro, tmp_path):
-    smd, distill = repro["smd"], repro["distill"]
-    curve = [[step, step / 10] for step in range(10)]
-    results = {
-        name: _result(name, {**meta, "seed": 0}, {"rollout/reward_mean": curve, "train/entropy": curve}, 0.5)
-        for name, meta in [("dense-seed0", {"mode": "dense"}),
-                           ("smd", {"mode": "smd", "lambda": 0.1, "budget": 0.5, "selection": "snapkv"})]
-    }  # fmt: skip
-    results["distill-student-forward-seed0"] = _result("d", {"kind": "distill"}, {"distill/forward_kl": curve}, 0.5)
-    smd.plot_curves(results, tmp_path / "smd.png", budget=0.5)
-    distill.plot_curves(results, tmp_path / "distill.png", seed=0)
-    for name in ("smd.png", "distill.png"):
-        assert (tmp_path / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    cell = runner.Cell("x", ["fit", "--trainer.max_steps", "3"], eval_settings={"num_prompts": 64}, meta={"seed": 0})
+    done = tmp_path / "cells" / "x.json"
+    done.parent.mkdir()
+    for other in ({"argv": ["fit", "--trainer.max_steps", "5"]}, {"eval_settings": {"num_prompts": 256}}):
+        stored = {"cell": {**asdict(cell), **other}}
+        done.write_text(json.dumps(stored))
+        with pytest.raises(ValueError, match="other settings"):
+            runner.run_cells([cell], tmp_path, jobs=1)
+        assert json.loads(done.read_text()) == stored  # left as it was
+    stored = {"cell": {**asdict(cell), "meta": {"seed": 0, "placed": "elsewhere"}}}  # placement is not a setting
+    done.write_text(json.dumps(stored))
+    assert runner.run_cells([cell], tmp_path, jobs=1) == {"x": stored}  # done: not rerun

@@ -16,7 +16,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_smd.kv import Compressor
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
-from lit_smd.metrics import PassAtK
+from lit_smd.metrics import AvgAtK, PassAtK, ResponseLength, TokenEntropy
 from lit_smd.rewards import math_answer_reward
 from lit_smd.rollout import Rollout, completion_hidden_states, generate
 from lit_smd.tasks import key_value_retrieval
@@ -56,7 +56,7 @@ def heldout_retrieval(settings: EvalSettings) -> tuple[list[str], list[str]]:
 def _sampler_entropy(model: PreTrainedModel, rollout: Rollout, temperature: float) -> torch.Tensor:
     """``[B, N]`` entropy of the sampling distribution at each completion position (shadow mask replayed)."""
     with torch.no_grad():
-        hidden = completion_hidden_states(model, rollout, shadow=rollout.shadow_mask is not None)  # [B, N, H]
+        hidden = completion_hidden_states(model, rollout)  # [B, N, H], shadow mask replayed if there is one
         head = model.get_output_embeddings()
         _, entropy = token_logprobs_and_entropy(
             hidden, head.weight, head.bias, rollout.completion_ids, temperature=temperature, chunk_size=4096
@@ -81,43 +81,46 @@ def evaluate_policy(
     """
     prompts, answers = heldout_retrieval(settings)
     n = settings.num_samples
-    pass_at = PassAtK(k=sorted({1, n}))
-    per_prompt, entropies, lengths, visible, greedy = [], [], [], [], []
+    pass_at, avg_at, entropy, lengths = PassAtK(k=sorted({1, n})), AvgAtK(k=n), TokenEntropy(), ResponseLength()
+    visible, greedy = [], []
     generator = torch.Generator().manual_seed(seed)
-    eos = tokenizer.eos_token_id
+    model.eval()
+    common = {"max_new_tokens": settings.max_new_tokens, "eos_token_id": tokenizer.eos_token_id,
+              "pad_token_id": tokenizer.pad_token_id}  # fmt: skip
     for start in range(0, len(prompts), settings.batch_size):
         batch_prompts = prompts[start : start + settings.batch_size]
         batch_answers = answers[start : start + settings.batch_size]
         enc = tokenizer(batch_prompts, padding=True, return_tensors="pt")
-        common = {"max_new_tokens": settings.max_new_tokens, "eos_token_id": eos}
-        common["pad_token_id"] = tokenizer.pad_token_id
         sampled = generate(
             model, enc["input_ids"], enc["attention_mask"], compressor=compressor, num_samples=n,
             temperature=settings.temperature, generator=generator, **common,
         )  # fmt: skip
-        texts = tokenizer.batch_decode(sampled.completion_ids * sampled.completion_mask, skip_special_tokens=True)
         gold = [a for a in batch_answers for _ in range(n)]
-        correct = torch.tensor(math_answer_reward(batch_prompts, texts, gold)).view(-1, n)  # [B, n]
-        per_prompt.append(correct.mean(-1))
+        correct = torch.tensor(math_answer_reward(batch_prompts, _decode(tokenizer, sampled), gold)).view(-1, n)
         pass_at.update(correct.sum(-1).long(), num_samples=n)
-        entropy = _sampler_entropy(model, sampled, settings.temperature)  # [B * n, N]
-        entropies.append(entropy[sampled.completion_mask.bool()])
-        lengths.append(sampled.completion_lengths.float())
+        avg_at.update(correct.sum(-1).long())
+        entropy.update(_sampler_entropy(model, sampled, settings.temperature), sampled.completion_mask)
+        lengths.update(sampled.completion_lengths, sampled.truncated)
         if sampled.shadow_mask is not None:
             visible.append(
                 sampled.shadow_mask.visible_fraction(sampled.prompt_lengths, sampled.completion_mask).item()
             )
         argmax = generate(model, enc["input_ids"], enc["attention_mask"], top_k=1, **common)
-        greedy_texts = tokenizer.batch_decode(argmax.completion_ids * argmax.completion_mask, skip_special_tokens=True)
-        greedy += math_answer_reward(batch_prompts, greedy_texts, batch_answers)
-    success = torch.cat(per_prompt)  # [P]
+        greedy += math_answer_reward(batch_prompts, _decode(tokenizer, argmax), batch_answers)
+    avg = avg_at.compute()
     result = {
-        "accuracy": success.mean().item(),
-        f"avg@{n}_stderr": (success.std() / len(success) ** 0.5).item(),
+        "accuracy": avg[f"avg@{n}"].item(),
+        f"avg@{n}_stderr": avg[f"avg@{n}_stderr"].item(),
         "greedy_accuracy": sum(greedy) / len(greedy),
-        "entropy": torch.cat(entropies).mean().item(),
-        "length": torch.cat(lengths).mean().item(),
+        "entropy": entropy.compute().item(),
+        "length": lengths.compute()["mean_length"].item(),
         "visible_fraction": float(sum(visible) / len(visible)) if visible else 1.0,
     }
     result.update({name: value.item() for name, value in pass_at.compute().items()})
     return result
+
+
+def _decode(tokenizer: PreTrainedTokenizerBase, rollout: Rollout) -> list[str]:
+    """The completions' texts, real tokens only."""
+    rows = [ids[mask].tolist() for ids, mask in zip(rollout.completion_ids, rollout.completion_mask, strict=True)]
+    return tokenizer.batch_decode(rows, skip_special_tokens=True)

@@ -88,6 +88,11 @@ def _run_worker(spec_path: Path) -> None:
     tmp.replace(spec["result"])
 
 
+def _settings(cell: dict[str, Any]) -> dict[str, Any]:
+    """What a cell's result depends on: everything but its table placement (``meta``)."""
+    return {key: value for key, value in cell.items() if key != "meta"}
+
+
 def run_cells(cells: list[Cell], out: Path, jobs: int) -> dict[str, dict[str, Any]]:
     """Run ``cells`` (skipping those with a result), ``jobs`` at a time; return every available result by name."""
     (out / "cells").mkdir(parents=True, exist_ok=True)
@@ -100,10 +105,10 @@ def run_cells(cells: list[Cell], out: Path, jobs: int) -> dict[str, dict[str, An
         done = out / "cells" / f"{cell.name}.json"
         if not done.exists():
             pending.append(cell)
-        elif json.loads(done.read_text())["cell"]["argv"] != cell.argv:
+        elif _settings(json.loads(done.read_text())["cell"]) != _settings(asdict(cell)):
             raise ValueError(
-                f"{done} holds a run of {cell.name!r} with other settings (a different --steps, --seeds or size "
-                "flag?); use another --out folder, or delete that file to rerun the cell"
+                f"{done} holds a run of {cell.name!r} with other settings (a different --steps, --seeds, "
+                "--eval-prompts or size flag?); use another --out folder, or delete that file to rerun the cell"
             )
     print(f"{len(cells) - len(pending)} of {len(cells)} cells already done; running {len(pending)}, {jobs} at a time")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}

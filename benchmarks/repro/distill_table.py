@@ -106,11 +106,12 @@ def distill_cells(out: Path, seeds: list[int], cells: list[str], steps: int) -> 
 
 
 def rl_cells(out: Path, seeds: list[int], cells: list[str], steps: int) -> list[Cell]:
-    """SMD-GRPO from each distilled student, and from the warm-up itself (cell "none": the SMD table's
-    ``smd-lam0.1-snapkv-b0.5`` run, the same command, so either script makes it once)."""
+    """SMD-GRPO from each distilled student, and from the warm-up itself (cell "none": the settings of the SMD
+    table's ``smd-lam0.1-snapkv-b0.5`` run, with this table's step count)."""
     result = []
     for seed in seeds:
-        result.append(compressed_cell(out, warmup_policy(out, seed), seed, steps, "smd", "snapkv", 0.5, 0.1))
+        start = warmup_policy(out, seed)
+        result.append(compressed_cell(out, start, seed, steps, "smd", "snapkv", 0.5, 0.1, name=f"rl-none-seed{seed}"))
         for cell in cells:
             name, policy = f"rl-{cell}-seed{seed}", out / "policies" / f"distill-{cell}-seed{seed}"
             argv = grpo_argv(out, name, policy, seed, steps, SMD_RL)
@@ -141,7 +142,7 @@ def summarise(results: dict[str, dict[str, Any]], seeds: list[int], cells: list[
         else:
             runs = [results.get(f"distill-{cell}-seed{s}") for s in seeds]
             prefix, kl, _ = CELLS[cell]
-        rl_names = [f"smd-lam0.1-snapkv-b0.5-seed{s}" if cell == "none" else f"rl-{cell}-seed{s}" for s in seeds]
+        rl_names = [f"rl-{cell}-seed{s}" for s in seeds]
         pairs = [(r, results.get(n)) for r, n in zip(runs, rl_names, strict=True) if r is not None]
         if not pairs:
             continue
@@ -176,10 +177,10 @@ def summarise(results: dict[str, dict[str, Any]], seeds: list[int], cells: list[
 
 
 def compressed_start_accuracy(out: Path, results: dict[str, dict[str, Any]]) -> None:
-    """Add ``eval_compressed`` (accuracy served with the RL runs' compressor) to every distilled / warm-up result."""
+    """Add ``eval_compressed`` (metrics served with the RL runs' compressor) to every distilled / warm-up result."""
     import torch
     from _evaluate import EvalSettings, evaluate_policy
-    from smd_table import _instantiate, compressor_spec
+    from smd_table import _instantiate, compressor_spec, initial_accuracy
 
     from lit_smd.models import load_causal_lm, load_tokenizer
 
@@ -187,10 +188,13 @@ def compressed_start_accuracy(out: Path, results: dict[str, dict[str, Any]]) -> 
     compressor = _instantiate(compressor_spec("snapkv", 0.5, 0))
     for name, result in results.items():
         meta = result["cell"]["meta"]
-        if meta.get("kind") not in ("distill", "warmup") or "eval_compressed" in result:
+        if meta.get("kind") == "warmup":  # the SMD table's cached "before RL" evaluation of the same policy
+            seed = meta["seed"]
+            result["eval_compressed"] = initial_accuracy(out, [seed], [0.5], ["snapkv"])[f"snapkv-b0.5-seed{seed}"]
+        if meta.get("kind") != "distill" or "eval_compressed" in result:
             continue
-        path = warmup_policy(out, meta["seed"]) if meta["kind"] == "warmup" else out / "policies" / name
-        policy, tokenizer = load_causal_lm(str(path), dtype=torch.float32), load_tokenizer(str(path))
+        policy = load_causal_lm(str(out / "policies" / name), dtype=torch.float32)
+        tokenizer = load_tokenizer(str(out / "policies" / name))
         settings = EvalSettings(**result["cell"]["eval_settings"])
         result["eval_compressed"] = evaluate_policy(policy, tokenizer, settings, compressor, seed=meta["seed"])
         (out / "cells" / f"{name}.json").write_text(json.dumps(result))

@@ -120,11 +120,12 @@ def grpo_cells(out: Path, seeds: list[int], budgets: list[float], selections: li
 
 
 def compressed_cell(
-    out: Path, policy: Path, seed: int, steps: int, mode: str, selection: str, budget: float, lam: float
+    out: Path, policy: Path, seed: int, steps: int, mode: str, selection: str, budget: float, lam: float,
+    name: str | None = None,
 ) -> Cell:
     """A GRPO run from ``policy`` with a compressed rollout (naive / sparse_rl / smd), evaluated compressed."""
     tag = f"{mode}-lam{lam}" if mode == "smd" else mode
-    name = f"{tag}-{selection}-b{budget}-seed{seed}"
+    name = name or f"{tag}-{selection}-b{budget}-seed{seed}"
     compressor = json.dumps(compressor_spec(selection, budget, seed))
     overrides = ["--model.init_args.mode", mode, "--model.init_args.compressor", compressor,
                  "--model.init_args.kl_coef", str(lam)]  # fmt: skip
@@ -134,30 +135,34 @@ def compressed_cell(
     return Cell(name, argv, eval_compressed=True, eval_settings=EVAL, seed=seed, meta=meta)
 
 
-def initial_accuracy(out: Path, seeds: list[int], budgets: list[float], selections: list[str]) -> dict[str, float]:
-    """Held-out accuracy of each seed's warm-up policy, served densely and with each compressor (before RL)."""
+def initial_accuracy(
+    out: Path, seeds: list[int], budgets: list[float], selections: list[str]
+) -> dict[str, dict[str, float]]:
+    """Held-out metrics of each seed's warm-up policy served with each compressor (before RL), cached in
+    ``initial_accuracy.json`` with the evaluation settings (other settings start the cache afresh); the dense
+    entry is the warm-up cell's own evaluation."""
     import torch
     from _evaluate import EvalSettings, evaluate_policy
 
-    from lit_smd.kv.compressors import COMPRESSORS  # noqa: F401 - registers the classes jsonargparse-free
     from lit_smd.models import load_causal_lm, load_tokenizer
 
     cache = out / "initial_accuracy.json"
-    found = json.loads(cache.read_text()) if cache.exists() else {}
+    stored = json.loads(cache.read_text()) if cache.exists() else {}
+    found = stored.get("results", {}) if stored.get("eval") == EVAL else {}
     torch.set_num_threads(1)
     for seed in seeds:
+        found[f"dense-seed{seed}"] = json.loads((out / "cells" / f"warmup-seed{seed}.json").read_text())["eval"]
         policy, tokenizer = None, None
-        for key, selection, budget in [(f"dense-seed{seed}", None, None)] + [
-            (f"{sel}-b{b}-seed{seed}", sel, b) for b in budgets for sel in selections
-        ]:
+        for selection, budget in [(sel, b) for b in budgets for sel in selections]:
+            key = f"{selection}-b{budget}-seed{seed}"
             if key in found:
                 continue
             if policy is None:
                 path = warmup_policy(out, seed)
                 policy, tokenizer = load_causal_lm(str(path), dtype=torch.float32), load_tokenizer(str(path))
-            compressor = None if selection is None else _instantiate(compressor_spec(selection, budget, seed))
+            compressor = _instantiate(compressor_spec(selection, budget, seed))
             found[key] = evaluate_policy(policy, tokenizer, EvalSettings(**EVAL), compressor=compressor, seed=seed)
-            cache.write_text(json.dumps(found, indent=1))
+            cache.write_text(json.dumps({"eval": EVAL, "results": found}, indent=1))
     return found
 
 
@@ -197,7 +202,9 @@ def row_key(meta: dict[str, Any]) -> tuple:
     return (meta.get("budget") or 0.0, meta.get("selection") or "", meta["mode"], meta.get("lambda"))
 
 
-def summarise(results: dict[str, dict[str, Any]], initial: dict[str, float], steps: int) -> tuple[str, list[dict]]:
+def summarise(
+    results: dict[str, dict[str, Any]], initial: dict[str, dict[str, float]], steps: int
+) -> tuple[str, list[dict]]:
     """The markdown table and its rows (means over seeds) from the cell results."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for result in results.values():
@@ -272,7 +279,10 @@ def save_figure(fig: Any, axes: Any, title: str, path: Path) -> None:
 
 
 def plot_curves(results: dict[str, dict[str, Any]], path: Path, budget: float, selection: str = "snapkv") -> None:
-    """Reward, entropy and completion-length curves per mode (seed 0) at ``budget`` with ``selection``."""
+    """Reward, learner entropy and mismatch curves per mode (the lowest seed) at ``budget`` with ``selection``.
+
+    (Completion length is not plotted: the task's completions are always two tokens.)
+    """
     import matplotlib
 
     matplotlib.use("Agg")
@@ -294,7 +304,8 @@ def plot_curves(results: dict[str, dict[str, Any]], path: Path, budget: float, s
         for ax, (key, title) in zip(axes, keys, strict=True):
             plot_smoothed(ax, result["scalars"].get(key), label)
             ax.set_title(title, fontsize=9)
-    save_figure(fig, axes, f"GRPO modes, {round((1 - budget) * 100)}% KV compression ({selection}), seed 0", path)
+    title = f"GRPO modes, {round((1 - budget) * 100)}% KV compression ({selection}), seed {seed}"
+    save_figure(fig, axes, title, path)
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:

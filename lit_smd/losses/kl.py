@@ -425,7 +425,6 @@ def _clamp_log(log_probs: Tensor) -> Tensor:
     return log_probs.clamp(min=torch.finfo(log_probs.dtype).min)
 
 
-
 def _compute_dtype(*tensors: Tensor) -> torch.dtype:
     """float64 if any input is float64, else float32."""
     return torch.float64 if any(t.dtype == torch.float64 for t in tensors) else torch.float32

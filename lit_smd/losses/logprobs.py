@@ -6,6 +6,8 @@ reduced, and recomputed in the backward (``torch.utils.checkpoint``). Log-probs 
 full-vocabulary distribution, in float32 (float64 for float64 inputs), as in `lit_smd.rollout.score`.
 """
 
+import math
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor
@@ -54,8 +56,8 @@ def token_logprobs_and_entropy(
         )
     if bias is not None and bias.shape != weight.shape[:1]:
         raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
-    if not temperature > 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if not 0 < temperature < math.inf:
+        raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
     shape = ids.shape

@@ -51,6 +51,10 @@ class WeightedRewards:
     def __init__(
         self, reward_funcs: Mapping[str, RewardFn] | Sequence[RewardFn], weights: Sequence[float] | None = None
     ) -> None:
+        functions = list(reward_funcs.values() if isinstance(reward_funcs, Mapping) else reward_funcs)
+        not_callable = [fn for fn in functions if not callable(fn)]
+        if not_callable:
+            raise ValueError(f"reward_funcs must be callables (or their import paths in a config), got {not_callable}")
         if isinstance(reward_funcs, Mapping):
             named = dict(reward_funcs)
         else:
@@ -64,9 +68,6 @@ class WeightedRewards:
         weights = [1.0] * len(named) if weights is None else [float(w) for w in weights]
         if len(weights) != len(named):
             raise ValueError(f"got {len(weights)} weights for {len(named)} reward functions {list(named)}")
-        not_callable = [fn for fn in named.values() if not callable(fn)]
-        if not_callable:
-            raise ValueError(f"reward_funcs must be callables (or their import paths in a config), got {not_callable}")
         if not all(math.isfinite(w) for w in weights):
             raise ValueError(f"reward weights must be finite, got {weights}")
         self.reward_funcs = named
