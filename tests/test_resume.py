@@ -146,7 +146,7 @@ def test_grpo_resumes_mid_rollout_batch_exactly(tokenizer, tmp_path):
     def make() -> Objects:
         policy = build_tiny_model("qwen3", tokenizer=tokenizer, initializer_range=0.35)
         module = GRPOModule(policy, mode="smd", compressor=RecentWindow(12, sinks=2), optimizer=adamw,
-                            lr_scheduler=warmup)
+                            lr_scheduler=warmup, beta=0.05)
         data = RolloutDataModule(
             key_value_retrieval(4, num_pairs=3), tokenizer, [digit_share], prompts_per_step=2, num_generations=2,
             max_new_tokens=4, num_iterations=2, minibatch_size=2, use_chat_template=False,
@@ -156,7 +156,11 @@ def test_grpo_resumes_mid_rollout_batch_exactly(tokenizer, tmp_path):
     # 2 passes x 2 minibatches per rollout batch, 2 rollout batches per epoch: the checkpoint at step 5 falls after
     # the first minibatch of epoch 0's second rollout batch, and the resumed run goes on into epoch 1.
     logged = assert_resume_is_exact(make, 5, tmp_path)
-    assert {"rollout/reward_mean", "smd/kl", "train/ratio_mean"} <= {key for _, key in logged}
+    assert {"rollout/reward_mean", "smd/kl", "train/ratio_mean", "train/kl_ref"} <= {key for _, key in logged}
+    # The frozen reference is not checkpointed: the resumed module rebuilt it (a copy of the initial policy).
+    (checkpoint,) = tmp_path.rglob("*.ckpt")
+    keys = torch.load(checkpoint, map_location="cpu", weights_only=False)["state_dict"]
+    assert keys and all(key.startswith("policy.") for key in keys)
 
 
 def test_online_distillation_with_the_curriculum_resumes_exactly(tokenizer, tmp_path):

@@ -242,13 +242,23 @@ class GRPOModule(LightningModule):
         self._policy_source = policy if isinstance(policy, str) else None
         self._reference_source = reference if isinstance(reference, str) else None
         self.policy: PreTrainedModel | None = policy if isinstance(policy, PreTrainedModel) else None
-        self.reference: PreTrainedModel | None = reference if isinstance(reference, PreTrainedModel) else None
+        # A plain dict, not an attribute: nn.Module would register the reference as a child, which Lightning then
+        # moves, casts and saves in every checkpoint (a 4-bit one could not even be loaded back). Checkpoints hold
+        # the policy only; `configure_model` rebuilds the reference (a path, a copy of the initial policy) on resume.
+        self._frozen: dict[str, PreTrainedModel] = {}
+        if isinstance(reference, PreTrainedModel):
+            self._frozen["reference"] = reference
         self._learner_start: float | None = None
         self.phase_listeners: list[PhaseListener] = []
         if self.policy is not None:
             self._prepare_policy()
         if self.reference is not None:
             freeze(self.reference)
+
+    @property
+    def reference(self) -> PreTrainedModel | None:
+        """The frozen reference model (not a child module: never trained, cast or checkpointed by Lightning)."""
+        return self._frozen.get("reference")
 
     # -------------------------------------------------------------------------------------------------- forward
 
@@ -405,11 +415,11 @@ class GRPOModule(LightningModule):
             self.policy = load_causal_lm(self._policy_source, dtype=self.model_dtype)
             self._prepare_policy()
         if self.reference is None and self._reference_source is not None:
-            self.reference = freeze(
+            self._frozen["reference"] = freeze(
                 load_causal_lm(self._reference_source, dtype=self.model_dtype, quantization=self.reference_quantization)
             )
         if self.reference is None and self.beta > 0 and self.lora is None:
-            self.reference = freeze(copy.deepcopy(self.policy))
+            self._frozen["reference"] = freeze(copy.deepcopy(self.policy))
 
     @property
     def reference_is_base(self) -> bool:
@@ -426,9 +436,11 @@ class GRPOModule(LightningModule):
 
     def on_fit_start(self) -> None:
         # from_pretrained returns eval-mode models and Lightning keeps the mode it finds; the learner trains in train
-        # mode (activation checkpointing needs it; dropout is off unless disable_dropout=False). The reference stays
-        # in eval mode, hence Lightning's "modules in eval mode" notice when there is one.
+        # mode (activation checkpointing needs it; dropout is off unless disable_dropout=False).
         self.policy.train()
+        reference = self.reference
+        if reference is not None and getattr(reference, "hf_quantizer", None) is None:
+            reference.to(self.device)  # not a child module; quantized weights stay where bitsandbytes put them
         check_tokenizer_fits(self.policy, self.trainer.datamodule, "policy")
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
