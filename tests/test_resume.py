@@ -323,3 +323,16 @@ if __name__ == "__main__":
         ddp_fit(out_dir, f"{name}_uninterrupted", 6, seed=0)
         ddp_fit(out_dir, f"{name}_first", 3, seed=0)
         ddp_fit(out_dir, f"{name}_resumed", 6, seed=1000, ckpt_path=out_dir / name / "step=3.ckpt")
+
+
+def test_a_position_from_another_world_size_restarts_the_epoch_with_a_warning(monkeypatch):
+    from lit_smd.datamodules import resume
+
+    position = resume.EpochPosition()
+    position.load_state_dict({"epoch": 1, "consumed": 3, "world_size": 2})  # written by 2 ranks
+    assert position.start(0) == 0  # another epoch: nothing to skip, no warning
+    position.load_state_dict({"epoch": 1, "consumed": 3, "world_size": 2})
+    with pytest.warns(UserWarning, match="written by 2 rank"):
+        assert position.start(1) == 0  # 3 batches of 2 ranks are not 3 batches of 1: start over, say so
+    position.load_state_dict({"epoch": 1, "consumed": 3, "world_size": 1})
+    assert position.start(1) == 3 and position.state_dict() == {"epoch": 1, "consumed": 3, "world_size": 1}

@@ -105,9 +105,17 @@ class EpochPosition:
         epoch = self._epochs_started if epoch is None else epoch
         self._epochs_started += 1
         skip = 0
-        if self._resume is not None:
-            skip = self._resume["consumed"] if self._resume["epoch"] == epoch else 0
-            self._resume = None
+        if self._resume is not None and self._resume["epoch"] == epoch:
+            skip = self._resume["consumed"]
+            if self._resume["world_size"] != _world_size():  # batches per rank counted in other units
+                warnings.warn(
+                    f"the checkpoint was written by {self._resume['world_size']} rank(s) and this run has "
+                    f"{_world_size()}: epoch {epoch} starts over, so its first {skip} batch(es) per rank are "
+                    "trained on again",
+                    stacklevel=2,
+                )
+                skip = 0
+        self._resume = None
         self.epoch, self.consumed = epoch, skip
         return skip
 
@@ -115,10 +123,14 @@ class EpochPosition:
         self.consumed += 1
 
     def state_dict(self) -> dict[str, int]:
-        return {"epoch": self.epoch, "consumed": self.consumed}
+        return {"epoch": self.epoch, "consumed": self.consumed, "world_size": _world_size()}
 
     def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        self._resume = {"epoch": int(state_dict["epoch"]), "consumed": int(state_dict["consumed"])}
+        self._resume = {key: int(state_dict.get(key, _world_size())) for key in ("epoch", "consumed", "world_size")}
+
+
+def _world_size() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 class ResumableDataModule(LightningDataModule):

@@ -241,7 +241,7 @@ def test_stream_resumes_mid_epoch_at_the_next_minibatch(tiny_model_factory, toke
     consumed = [next(batches) for _ in range(3)]  # rollout batch 0, then the first pass of batch 1
     assert [b.iteration for b in consumed] == [0, 1, 0]
     state = first.state_dict()
-    assert state == {"epoch": 0, "consumed": 3}
+    assert state == {"epoch": 0, "consumed": 3, "world_size": 1}
 
     resumed = ExperienceStream(data, learner)
     resumed.load_state_dict(state)
