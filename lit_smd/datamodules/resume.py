@@ -14,9 +14,9 @@ stopped (`tests/test_resume.py` compares the logs of both step for step):
   drawn. Dropout, user reward functions and anything else on the global streams then draws what it would have.
 
 Distributed: Lightning writes the checkpoint from rank 0 only, with rank 0's DataModule state, so `state_dict`
-gathers every rank's state to all ranks (``all_gather_object``; `Trainer.save_checkpoint` runs on every rank, as
+gathers every rank's state on rank 0 (``gather_object``; `Trainer.save_checkpoint` runs on every rank, as
 Lightning requires) and each rank of the resumed run takes its own entry. A checkpoint from a different number of
-ranks restores no RNG state (with a warning).
+ranks restores no RNG state and restarts the interrupted epoch (with warnings).
 """
 
 import random
@@ -75,12 +75,13 @@ def restore_rng_state(state: dict[str, Any]) -> None:
 
 
 def gather_ranks(state: Any) -> list[Any]:
-    """Every rank's ``state`` in rank order, on every rank (a collective: all ranks must call it); ``[state]`` alone."""
+    """Every rank's ``state`` in rank order on rank 0, the only rank whose DataModule state Lightning writes (a
+    collective: all ranks must call it); other ranks get ``[state]``, as does a single process."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
         return [state]
-    states: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(states, state)
-    return states
+    states: list[Any] | None = [None] * dist.get_world_size() if dist.get_rank() == 0 else None
+    dist.gather_object(state, states, dst=0)
+    return states if states is not None else [state]
 
 
 class EpochPosition:
