@@ -9,7 +9,7 @@ Setup (the paper's comparison at CPU scale)
       prompts per step, two-token completions) and the shipped cell presets in ``configs/distill/``.
     - Then RL: each distilled student runs the quickstart SMD-GRPO config (50% KV compression, SnapKV then H2O,
       ``kl_coef`` 0.1) for ``--rl-steps`` steps. The "none" row is RL straight from the warm-up (the SMD table's
-      ``smd-lam0.1-snapkv-b0.5`` cell, shared when the step counts match).
+      ``smd-lam0.1-snapkv-b0.5`` settings, run again here as ``rl-none``).
     - Reported (mean over seeds ± half the range): held-out accuracy (avg@4 at temperature 1), pass@1 and pass@4,
       greedy accuracy, the student's sampling entropy (nats / token) and completion length, the last-20% forward and
       reverse KL and top-1 agreement with the teacher on the training prefixes; after RL: accuracy sampled with the
@@ -21,7 +21,7 @@ so length inflation, the paper's failure mode of long on-policy trajectories, ca
 
 Usage::
 
-    python benchmarks/repro/distill_table.py --out out/repro        # ~20 min on 2 CPU cores (after smd_table.py)
+    python benchmarks/repro/distill_table.py --out out/repro        # ~15 min on 2 CPU cores (after smd_table.py)
 """
 
 from __future__ import annotations

@@ -23,7 +23,7 @@ trains a compressed sampler best here", not the paper's absolute numbers.
 
 Usage::
 
-    python benchmarks/repro/smd_table.py --out out/repro            # ~30 min on 2 CPU cores (defaults)
+    python benchmarks/repro/smd_table.py --out out/repro            # ~40 min on 2 CPU cores (defaults)
     python benchmarks/repro/smd_table.py --steps 20 --seeds 0 --selections snapkv --budgets 0.5   # seconds-scale check
 """
 
