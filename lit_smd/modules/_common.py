@@ -1,13 +1,15 @@
 """Helpers the LightningModules share: model preparation, optimizers, and the guard against non-finite steps."""
 
 from collections.abc import Callable, Iterable, Mapping
-from typing import Literal
+from typing import Literal, get_args
 
 import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
+
+from lit_smd.models import check_pretrained_source
 
 OptimizerCallable = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 LRSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -171,3 +173,19 @@ def check_tokenizer_fits(model: PreTrainedModel, datamodule: object, parameter: 
             f"the data side's tokenizer has {len(tokenizer)} tokens but `{parameter}` only {vocab_size} output ids: "
             f"`{parameter}` and the DataModule's `tokenizer` do not belong together"
         )
+
+
+def check_model_args(models: dict[str, object], model_dtype: str, optional: tuple[str, ...] = ()) -> None:
+    """Validate a module's model arguments before anything is loaded: each a Hugging Face causal LM or a loadable
+    hub id / local directory (None allowed for the names in ``optional``), and ``model_dtype`` from `ModelDType`.
+
+    Raises:
+        ValueError: Naming the first invalid argument and what is valid.
+    """
+    for name, model in models.items():
+        if isinstance(model, str):
+            check_pretrained_source(model, name)
+        elif not isinstance(model, PreTrainedModel) and not (model is None and name in optional):
+            raise ValueError(f"{name} must be a Hugging Face causal LM, a hub id or a local directory, got {model!r}")
+    if model_dtype not in get_args(ModelDType):
+        raise ValueError(f"model_dtype must be one of {get_args(ModelDType)}, got {model_dtype!r}")

@@ -5,12 +5,9 @@ need the models (vocabulary sizes, tokenizers, ``top_k`` against the vocabulary)
 """
 
 import math
-from typing import get_args
 
-from transformers import PreTrainedModel
-
-from lit_smd.models import check_pretrained_source, check_quantization
-from lit_smd.modules._common import ModelDType
+from lit_smd.models import check_quantization
+from lit_smd.modules._common import check_model_args
 
 
 def check_distill_args(
@@ -34,13 +31,7 @@ def check_distill_args(
     Raises:
         ValueError: Naming the first invalid argument and what is valid.
     """
-    for name, model in (("student", student), ("teacher", teacher)):
-        if isinstance(model, str):
-            check_pretrained_source(model, name)
-        elif not isinstance(model, PreTrainedModel) and (name == "student" or model is not None):
-            raise ValueError(f"{name} must be a Hugging Face causal LM, a hub id or a local directory, got {model!r}")
-    if model_dtype not in get_args(ModelDType):
-        raise ValueError(f"model_dtype must be one of {get_args(ModelDType)}, got {model_dtype!r}")
+    check_model_args({"student": student, "teacher": teacher}, model_dtype, optional=("teacher",))
     if prefix_source not in ("teacher", "student", "mix"):
         raise ValueError(f"prefix_source must be 'teacher', 'student' or 'mix', got {prefix_source!r}")
     if not 0.0 <= student_prefix_probability <= 1.0:

@@ -6,13 +6,11 @@ Each check raises ``ValueError`` naming the offending parameter and what is vali
 import math
 from typing import get_args
 
-from transformers import PreTrainedModel
-
 from lit_smd.kv import Compressor
 from lit_smd.losses.grpo import LossType, ScaleRewards
 from lit_smd.losses.sparse_rl import SparseRLConfig
-from lit_smd.models import check_pretrained_source, check_quantization
-from lit_smd.modules._common import ModelDType
+from lit_smd.models import check_quantization
+from lit_smd.modules._common import check_model_args
 from lit_smd.rollout import Rollout
 
 
@@ -40,11 +38,7 @@ def check_grpo_args(
     Raises:
         ValueError: Naming the first invalid argument and what is valid.
     """
-    for name, model in (("policy", policy), ("reference", reference)):
-        if isinstance(model, str):
-            check_pretrained_source(model, name)
-        elif not isinstance(model, PreTrainedModel) and (name == "policy" or model is not None):
-            raise ValueError(f"{name} must be a Hugging Face causal LM, a hub id or a local directory, got {model!r}")
+    check_model_args({"policy": policy, "reference": reference}, model_dtype, optional=("reference",))
     modes = ("dense", "naive", "sparse_rl", "smd")
     if mode not in modes:
         raise ValueError(f"mode must be one of {modes}, got {mode!r}")
@@ -75,8 +69,6 @@ def check_grpo_args(
         raise ValueError(f"kl_stop_gradient must be 'dense' or 'masked', got {kl_stop_gradient!r}")
     if sparse_rl is not None and not isinstance(sparse_rl, SparseRLConfig):
         raise ValueError(f"sparse_rl must be a lit_smd.losses.SparseRLConfig or None, got {sparse_rl!r}")
-    if model_dtype not in get_args(ModelDType):
-        raise ValueError(f"model_dtype must be one of {get_args(ModelDType)}, got {model_dtype!r}")
     if logits_chunk_size < 1:
         raise ValueError(f"logits_chunk_size must be >= 1, got {logits_chunk_size}")
     if scoring_batch_size is not None and scoring_batch_size < 1:

@@ -27,7 +27,6 @@ Logged keys (TensorBoard)
 
 import warnings
 from pathlib import Path
-from typing import get_args
 
 import torch
 from lightning.pytorch import LightningModule
@@ -36,13 +35,14 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_smd.datamodules.sft import IGNORE_INDEX
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
-from lit_smd.models import check_pretrained_source, load_causal_lm, load_tokenizer
+from lit_smd.models import load_causal_lm, load_tokenizer
 from lit_smd.modules._common import (
     LRSchedulerCallable,
     ModelDType,
     NonFiniteAction,
     NonFiniteGuard,
     OptimizerCallable,
+    check_model_args,
     check_tokenizer_fits,
     configure_optimizers,
     prepare_trainable,
@@ -101,12 +101,7 @@ class SFTModule(LightningModule):
         self.nonfinite_guard = NonFiniteGuard(on_nonfinite)
         if isinstance(logits_chunk_size, bool) or not isinstance(logits_chunk_size, int) or logits_chunk_size < 1:
             raise ValueError(f"logits_chunk_size must be an integer >= 1, got {logits_chunk_size!r}")
-        if isinstance(policy, str):
-            check_pretrained_source(policy, "policy")
-        elif not isinstance(policy, PreTrainedModel):
-            raise ValueError(f"policy must be a Hugging Face causal LM, a hub id or a local directory, got {policy!r}")
-        if model_dtype not in get_args(ModelDType):
-            raise ValueError(f"model_dtype must be one of {get_args(ModelDType)}, got {model_dtype!r}")
+        check_model_args({"policy": policy}, model_dtype)
         ignored = ["policy"] if isinstance(policy, torch.nn.Module) else []
         self.save_hyperparameters(ignore=[*ignored, "optimizer", "lr_scheduler"])
         self.optimizer_factory = optimizer
