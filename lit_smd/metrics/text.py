@@ -14,7 +14,7 @@ import torch
 from torch import Tensor
 from torchmetrics import Metric
 
-from lit_smd.rewards.math_answer import answers_match, extract_answer
+from lit_smd.rewards.math_answer import answer_is_correct
 from lit_smd.rewards.text import qa_exact_match, qa_f1, rouge_l_f1
 
 
@@ -54,15 +54,14 @@ class _MeanScore(Metric):
 
 
 class AnswerAccuracy(_MeanScore):
-    """Fraction of completions whose extracted final answer matches the gold answer (as ``math_answer_reward``).
+    """Fraction of completions whose final answer matches the gold answer (as ``math_answer_reward``).
 
     ``update(completions, answers)``: full generated texts and gold answers such as the ``answer`` column of
     :func:`lit_smd.tasks.gsm8k`.
     """
 
     def _score(self, prediction: str, target: str) -> float:
-        pred = extract_answer(prediction)
-        return float(pred is not None and answers_match(pred, target))
+        return float(answer_is_correct(prediction, target))
 
 
 class RougeL(_MeanScore):

@@ -1,7 +1,13 @@
-"""Reward functions with TRL's keyword signature, and a weighted combination of them."""
+"""Reward functions with TRL's keyword signature, and a weighted combination that calls them as TRL does."""
 
-from lit_smd.rewards.combine import RewardFn, RewardOutput, WeightedRewards
-from lit_smd.rewards.math_answer import answers_match, extract_answer, extract_boxed, math_answer_reward
+from lit_smd.rewards.combine import DEFAULT_REWARD_TIMEOUT_S, RewardFn, RewardOutput, WeightedRewards, completion_text
+from lit_smd.rewards.math_answer import (
+    answer_is_correct,
+    answers_match,
+    extract_answer,
+    extract_boxed,
+    math_answer_reward,
+)
 from lit_smd.rewards.text import (
     LengthPenalizedRougeL,
     normalize_qa_answer,
@@ -14,11 +20,14 @@ from lit_smd.rewards.text import (
 )
 
 __all__ = [
+    "DEFAULT_REWARD_TIMEOUT_S",
     "LengthPenalizedRougeL",
     "RewardFn",
     "RewardOutput",
     "WeightedRewards",
+    "answer_is_correct",
     "answers_match",
+    "completion_text",
     "extract_answer",
     "extract_boxed",
     "math_answer_reward",

@@ -17,6 +17,8 @@ from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
+from lit_smd.rewards.combine import completion_text
+
 _NON_ALPHANUMERIC = re.compile(r"[^a-z0-9]+")
 _ARTICLES = re.compile(r"\b(a|an|the)\b")
 _PUNCTUATION = set(string.punctuation)
@@ -69,14 +71,14 @@ def rouge_l_reward(
 
     Args:
         prompts: Prompts, unused.
-        completions: Generated texts.
+        completions: Generated texts (strings or conversational completions).
         reference: Reference summaries, one per completion.
         **kwargs: Other dataset columns and ``completion_ids``, ignored.
 
     Returns:
         One reward in [0, 1] per completion.
     """
-    return [rouge_l_f1(c, r) for c, r in zip(completions, reference, strict=True)]
+    return [rouge_l_f1(completion_text(c), r) for c, r in zip(completions, reference, strict=True)]
 
 
 class LengthPenalizedRougeL:
@@ -102,6 +104,7 @@ class LengthPenalizedRougeL:
         """Score completions; same arguments as :func:`rouge_l_reward`."""
         rewards = []
         for completion, ref in zip(completions, reference, strict=True):
+            completion = completion_text(completion)
             excess = max(0, len(completion.split()) - self.max_words)
             rewards.append(rouge_l_f1(completion, ref) - self.penalty * excess / self.max_words)
         return rewards
@@ -151,14 +154,14 @@ def qa_exact_match_reward(
 
     Args:
         prompts: Prompts, unused.
-        completions: Generated answers.
+        completions: Generated answers (strings or conversational completions).
         answer: Gold answers (a string or a list of acceptable strings) per completion.
         **kwargs: Other dataset columns and ``completion_ids``, ignored.
 
     Returns:
         One reward in {0.0, 1.0} per completion.
     """
-    return [qa_exact_match(c, a) for c, a in zip(completions, answer, strict=True)]
+    return [qa_exact_match(completion_text(c), a) for c, a in zip(completions, answer, strict=True)]
 
 
 def qa_f1_reward(
@@ -168,11 +171,11 @@ def qa_f1_reward(
 
     Args:
         prompts: Prompts, unused.
-        completions: Generated answers.
+        completions: Generated answers (strings or conversational completions).
         answer: Gold answers (a string or a list of acceptable strings) per completion.
         **kwargs: Other dataset columns and ``completion_ids``, ignored.
 
     Returns:
         One reward in [0, 1] per completion.
     """
-    return [qa_f1(c, a) for c, a in zip(completions, answer, strict=True)]
+    return [qa_f1(completion_text(c), a) for c, a in zip(completions, answer, strict=True)]
