@@ -12,7 +12,10 @@ When it runs
 What it needs
     - A batch is a mapping with ``input_ids`` and ``attention_mask`` (``[B, P]``, left-padded prompts), ``prompt``
       (their texts) and the reference columns the metric reads (``answer`` for accuracy and QA, ``reference`` for
-      ROUGE-L; a reward function receives every column).
+      ROUGE-L; a reward function receives every column, by keyword as in TRL). Batches of templated prompts carry the
+      original prompts in ``original_prompt`` (`lit_smd.tasks.prepare_prompts`): reward functions then get those,
+      and conversational completions for conversations (`lit_smd.tasks.chat`), and sampling also stops at the chat
+      template's end-of-turn token.
     - The LightningModule holds a Hugging Face causal LM in the attribute ``model_attribute`` (``policy`` for
       `lit_smd.modules.GRPOModule`, ``student`` for `lit_smd.modules.DistillModule`). With ``use_compressor`` it also
       has ``compressor``, the rollout's KV compressor. Its ``temperature`` is used unless ``temperature`` is given.
@@ -21,7 +24,8 @@ What it needs
 Scoring
     Each prompt gets ``num_samples`` completions (`lit_smd.rollout.generate`: seeded by ``seed``, the global step,
     the batch index and the rank, so an evaluation is reproducible and resumes identically). Each completion is scored
-    once by the metric's reward function. The named metrics follow `lit_smd.metrics`: ``accuracy``
+    once by the metric's reward function; a completion it abstains on (``None``) counts as a failure and is left out
+    of ``eval/<metric>``. The named metrics follow `lit_smd.metrics`: ``accuracy``
     (`lit_smd.metrics.AnswerAccuracy`, via `lit_smd.rewards.math_answer_reward`), ``rouge_l``
     (`lit_smd.metrics.RougeL`), ``qa_exact_match`` and ``qa_f1`` (`lit_smd.metrics.QAExactMatch` / `QAF1`). A
     completion is correct when its score is at least ``success_threshold``. pass@k is the unbiased estimator
@@ -56,7 +60,7 @@ from torchmetrics import MeanMetric, Metric
 from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
-from lit_smd.datamodules.experience import report_phase
+from lit_smd.datamodules.experience import hf_trainer_state, report_phase
 from lit_smd.metrics import AvgAtK, PassAtK, ResponseLength
 from lit_smd.models import load_tokenizer
 from lit_smd.rewards import (
@@ -68,6 +72,7 @@ from lit_smd.rewards import (
     rouge_l_reward,
 )
 from lit_smd.rollout import generate
+from lit_smd.tasks.chat import ORIGINAL_PROMPT_COLUMN, completions_for_rewards, end_of_turn_token_id
 
 __all__ = ["GenerationEval", "MetricName"]
 
@@ -284,6 +289,7 @@ class GenerationEval(Callback):
             )
         policy = getattr(pl_module, self.model_attribute)
         device = next(policy.parameters()).device
+        templated = ORIGINAL_PROMPT_COLUMN in batch
         seed = hash((self.seed, trainer.global_step, batch_idx, trainer.global_rank)) % 2**63
         temperature = self.temperature if self.temperature is not None else getattr(pl_module, "temperature", 1.0)
         with report_phase(pl_module, "eval"):
@@ -297,7 +303,7 @@ class GenerationEval(Callback):
                 top_p=self.top_p,
                 top_k=self.top_k,
                 num_samples=self.num_samples,
-                eos_token_id=self._eos_ids(policy),
+                eos_token_id=self._eos_ids(policy, templated),
                 pad_token_id=self._tokenizer.pad_token_id,
                 generator=torch.Generator(device=device).manual_seed(seed),
             )
@@ -308,10 +314,18 @@ class GenerationEval(Callback):
             completions = self._tokenizer.batch_decode(ids, skip_special_tokens=True)
             columns = {name: values for name, values in batch.items() if name not in _TOKEN_COLUMNS}
             repeated = {name: [v for v in values for _ in range(self.num_samples)] for name, values in columns.items()}
-            prompts = repeated.pop("prompt")
-            scores = self.scorer(prompts, completions, completion_ids=ids, **repeated).per_function[self.metric_name]
-        scores = scores.to(pl_module.device)  # [B * n]
-        self._metrics["score"].update(scores)
+            rendered = repeated.pop("prompt")
+            prompts = repeated.pop(ORIGINAL_PROMPT_COLUMN, rendered)
+            scores = self.scorer(
+                prompts,
+                completions_for_rewards(prompts, completions),
+                trainer_state=hf_trainer_state(trainer),
+                completion_ids=ids,
+                **repeated,
+            ).per_function[self.metric_name]
+        scores = scores.to(pl_module.device)  # [B * n], NaN where the function abstained
+        if not bool(scores.isnan().all()):
+            self._metrics["score"].update(scores[~scores.isnan()])
         self._metrics["length"].update(rollout.completion_lengths, rollout.truncated)
         if self.success_threshold is not None:
             correct = (scores >= self.success_threshold).view(-1, self.num_samples).sum(dim=1)  # [B]
@@ -320,9 +334,11 @@ class GenerationEval(Callback):
         if trainer.is_global_zero:
             self._keep_samples(columns, completions, scores.tolist())
 
-    def _eos_ids(self, policy: torch.nn.Module) -> list[int]:
+    def _eos_ids(self, policy: torch.nn.Module, templated: bool) -> list[int]:
         configured = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
         ids = [*self._eos_token_ids, *(configured if isinstance(configured, list) else [configured])]
+        if templated:
+            ids.append(end_of_turn_token_id(self._tokenizer))
         return sorted({i for i in ids if i is not None})
 
     def _keep_samples(self, columns: dict[str, list], completions: list[str], scores: list[float]) -> None:
@@ -331,7 +347,9 @@ class GenerationEval(Callback):
                 return
             row = prompt_idx * self.num_samples  # the prompt's first completion
             references = "\n".join(
-                f"- {name}: {_clip(str(values[prompt_idx]))}" for name, values in columns.items() if name != "prompt"
+                f"- {name}: {_clip(str(values[prompt_idx]))}"
+                for name, values in columns.items()
+                if name not in ("prompt", ORIGINAL_PROMPT_COLUMN)
             )
             self._samples.append(
                 f"**prompt**\n\n```\n{_clip(prompt)}\n```\n\n**references**\n\n{references}\n\n"

@@ -24,6 +24,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lit_smd.datamodules.resume import ResumableDataLoader, ResumableDataModule
 from lit_smd.models import load_tokenizer, single_token_id
+from lit_smd.tasks.chat import dataset_is_conversational, end_of_turn_token_id, uses_chat_template
 from lit_smd.tasks.datasets import prepare_prompts, resolve_dataset
 
 __all__ = ["DistillDataModule", "ProbeSource", "PromptBatch", "left_pad"]
@@ -39,7 +40,7 @@ class PromptBatch:
         prompt_ids: ``[B, P]`` token ids, left-padded.
         prompt_mask: ``[B, P]`` bool, True on real prompt tokens.
         prompt_index: ``[B]`` row of each prompt in the prepared prompt dataset.
-        eos_token_ids: Ids that end a completion (the tokenizer's EOS and the stop tokens).
+        eos_token_ids: Ids that end a completion (the tokenizer's EOS, the stop tokens, the template's end of turn).
         pad_token_id: Id filling completions after EOS.
     """
 
@@ -83,19 +84,22 @@ def left_pad(sequences: Sequence[Sequence[int]], pad_token_id: int) -> tuple[Ten
 class DistillDataModule(ResumableDataModule):
     """Prompt batches for online distillation (the module generates teacher or student prefixes).
 
-    Prompts go through the tokenizer's chat template (when it has one and ``use_chat_template``), prompts longer than
+    Prompts go through the tokenizer's chat template (conversations always, plain text when it has one and
+    ``use_chat_template``; `lit_smd.tasks.chat`), completions stop at the template's end-of-turn token as well as EOS
+    when it was applied, prompts longer than
     ``max_prompt_tokens`` and empty ones are dropped (counts logged), and the last ``num_probe_prompts`` prompts are
     held out as the curriculum's probe set.
 
     Args:
-        dataset: The prompt rows: a `datasets.Dataset` with a ``prompt`` column, the name of a `lit_smd.tasks.TASKS`
-            entry built with ``dataset_kwargs``, or a hub id / local data file (`lit_smd.tasks.load_rows`).
+        dataset: The prompt rows: a `datasets.Dataset` with a ``prompt`` column (strings or lists of messages),
+            the name of a `lit_smd.tasks.TASKS` entry built with ``dataset_kwargs``, or a hub id / local data file
+            (`lit_smd.tasks.load_rows`).
         tokenizer: The student's tokenizer (shared with the teacher), or its hub id / local directory.
         dataset_kwargs: Arguments of the task builder or of `lit_smd.tasks.load_rows` for a named dataset.
         batch_size: Prompts per training batch.
         max_prompt_tokens: Drop longer prompts; None keeps all.
-        use_chat_template: Wrap prompts in the tokenizer's chat template when it has one.
-        system_prompt: System message before each prompt (chat template only).
+        use_chat_template: Wrap plain-text prompts in the tokenizer's chat template when it has one.
+        system_prompt: System message before each prompt (templated prompts only).
         stop_tokens: Extra tokens that end a completion (e.g. ``["<|im_end|>"]``), besides the tokenizer's EOS.
         num_probe_prompts: Prompts held out for the entropy probe (0: no probe set).
         shuffle: Shuffle the training prompts every epoch (a permutation seeded by ``seed + epoch``).
@@ -156,7 +160,10 @@ class DistillDataModule(ResumableDataModule):
         raw = resolve_dataset(self.dataset, **self.dataset_kwargs)
         if "prompt" not in raw.column_names:
             raise ValueError(f"the prompt dataset needs a 'prompt' column, got columns {raw.column_names}")
-        templated = self.use_chat_template and getattr(self.tokenizer, "chat_template", None) is not None
+        templated = uses_chat_template(self.tokenizer, self.use_chat_template, dataset_is_conversational(raw))
+        end_of_turn = end_of_turn_token_id(self.tokenizer) if templated else None
+        if end_of_turn is not None:
+            self.eos_token_ids = tuple(sorted({*self.eos_token_ids, end_of_turn}))
         prepared, too_long = prepare_prompts(
             raw, self.tokenizer, self.max_prompt_tokens, self.system_prompt, self.use_chat_template
         )

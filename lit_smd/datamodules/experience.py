@@ -12,6 +12,8 @@ rollout batch in progress this way, so that a resumed run trains on its remainin
 Phases: `report_phase` runs a block of work as a named phase and notifies the observers registered in the owner's
 optional ``phase_listeners`` (`lit_smd.callbacks.MemoryProfiler`) where it begins and ends; `RolloutDataModule.collect`
 runs as ``"rollout"``.
+
+Reward functions: `hf_trainer_state` is the ``trainer_state`` they receive, as TRL passes its trainer's.
 """
 
 from collections.abc import Callable, Iterator, Sequence
@@ -21,11 +23,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import Tensor
+from transformers import TrainerState
 
 from lit_smd.kv.shadow import ShadowMask
 from lit_smd.rollout import Rollout
 
-__all__ = ["Experience", "PhaseListener", "RolloutLearner", "report_phase"]
+__all__ = ["Experience", "PhaseListener", "RolloutLearner", "hf_trainer_state", "report_phase"]
 
 _ROW_TENSORS = ("rewards", "advantages", "loss_mask", "old_logprobs", "token_weights", "ref_logprobs")
 
@@ -157,3 +160,30 @@ class RolloutLearner(Protocol):
     ) -> Experience:
         """Advantages, ratio denominators, reference log-probs and metrics of a scored rollout batch."""
         ...
+
+
+def hf_trainer_state(trainer: Any) -> TrainerState | None:
+    """The ``transformers.TrainerState`` TRL passes reward functions as ``trainer_state``, from a Lightning trainer.
+
+    Filled: ``global_step``, ``max_steps`` (the trainer's, else its estimate of the optimizer steps), ``epoch`` (the
+    current epoch, a whole number), ``num_train_epochs`` and the process-zero flags; the rest keeps its defaults.
+
+    Args:
+        trainer: The Lightning trainer, or None (then None: a reward function called outside training).
+    """
+    if trainer is None:
+        return None
+    max_steps = trainer.max_steps
+    if max_steps is None or max_steps < 0:
+        try:
+            max_steps = int(trainer.estimated_stepping_batches)
+        except Exception:  # no dataloader length yet: TrainerState's default
+            max_steps = 0
+    return TrainerState(
+        epoch=float(trainer.current_epoch),
+        global_step=trainer.global_step,
+        max_steps=max_steps,
+        num_train_epochs=trainer.max_epochs if trainer.max_epochs is not None else 0,
+        is_local_process_zero=trainer.local_rank == 0,
+        is_world_process_zero=trainer.is_global_zero,
+    )

@@ -2,8 +2,9 @@
 
 Per training step the `RolloutDataModule` draws ``prompts_per_step`` prompts, samples ``num_generations`` (G)
 completions per prompt with the learner's *current* policy under the learner's compressor (`lit_smd.rollout.generate`:
-no grad, eval mode), decodes them, scores them with the reward functions (TRL's keyword signature, combined by
-`lit_smd.rewards.WeightedRewards`), and lets the learner turn the scored rollout into an `Experience`
+no grad, eval mode), decodes them, scores them with the reward functions (called as TRL's ``GRPOTrainer`` calls them, by
+`lit_smd.rewards.WeightedRewards`: keyword arguments, the original prompts, conversational completions for
+conversational datasets, ``trainer_state``), and lets the learner turn the scored rollout into an `Experience`
 (`RolloutLearner.make_experience`: advantages, ratio denominators, reference log-probs, metrics). The experience is
 then yielded as minibatches, ``num_iterations`` times over. `Experience` and the `RolloutLearner` protocol are defined
 in `lit_smd.datamodules.experience`.
@@ -41,13 +42,16 @@ Handled inputs, each with a clear error or a logged count:
     - prompts longer than ``max_prompt_tokens``, empty prompts, and prompts shorter than the compressor needs (SnapKV's
       observation window): dropped at setup / dataloader creation, counts logged (``num_filtered``);
     - a reward function that raises: ``RuntimeError`` naming the function (the original error chained); a NaN / inf
-      reward or a wrong number of values: ``ValueError`` naming the function;
+      reward, a value overflowing float32 or a wrong number of values: ``ValueError``, a string or mapping instead
+      of a list: ``TypeError``, no answer within ``reward_timeout``: ``TimeoutError``, each naming the function;
+      ``None`` rewards abstain (`lit_smd.rewards.combine`);
     - a group whose rewards are all equal: zero advantage (`lit_smd.losses.group_advantages`); ``num_generations=1``
       (every group of one is constant, so no gradient ever) warns at construction;
     - empty completions (EOS first) are decoded to ``""`` and scored like any other; all-truncated batches train
       normally (with ``mask_truncated_completions`` the learner warns that the batch gives no gradient).
 """
 
+import functools
 import logging
 import time
 import warnings
@@ -61,11 +65,18 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from lit_smd.datamodules.experience import Experience, RolloutLearner, report_phase
+from lit_smd.datamodules.experience import Experience, RolloutLearner, hf_trainer_state, report_phase
 from lit_smd.datamodules.resume import EpochPosition, ResumableDataModule
 from lit_smd.models import load_tokenizer, single_token_id
-from lit_smd.rewards.combine import RewardFn, WeightedRewards
+from lit_smd.rewards.combine import DEFAULT_REWARD_TIMEOUT_S, RewardFn, WeightedRewards
 from lit_smd.rollout import Rollout, generate
+from lit_smd.tasks.chat import (
+    ORIGINAL_PROMPT_COLUMN,
+    completions_for_rewards,
+    dataset_is_conversational,
+    end_of_turn_token_id,
+    uses_chat_template,
+)
 from lit_smd.tasks.datasets import prepare_prompts, resolve_dataset
 
 __all__ = ["ExperienceStream", "RolloutDataModule", "require_full_weights"]
@@ -77,13 +88,19 @@ class RolloutDataModule(ResumableDataModule):
     """Prompts in, on-policy GRPO `Experience` minibatches out (see the module docstring).
 
     Args:
-        dataset: The prompt rows: a `datasets.Dataset` with a ``prompt`` column (other columns are passed to the
-            reward functions); the name of a `lit_smd.tasks.TASKS` entry, built with ``dataset_kwargs``; or a hub id /
+        dataset: The prompt rows: a `datasets.Dataset` with a ``prompt`` column, strings or conversations (TRL's
+            format: lists of ``{"role", "content"}`` messages); other columns are passed to the reward functions by
+            name; the name of a `lit_smd.tasks.TASKS` entry, built with ``dataset_kwargs``; or a hub id /
             local data file with a ``prompt`` column (`lit_smd.tasks.load_rows`, ``dataset_kwargs`` its arguments).
         tokenizer: The policy's tokenizer, or a hub id / local directory for `lit_smd.models.load_tokenizer`.
-        reward_funcs: Reward callables ``fn(prompts, completions, **columns) -> list[float]`` (a list, named by
-            ``__name__``, or a name -> function mapping); logged as ``rollout/reward/<name>``.
-        reward_weights: One weight per reward function (default all 1); the reward is the weighted sum.
+        reward_funcs: Reward callables with TRL's signature, ``fn(prompts=, completions=, completion_ids=,
+            trainer_state=, **columns) -> list[float | None]``, sync or async (a list, named by ``__name__``, or a
+            name -> function mapping); logged as ``rollout/reward/<name>``. TRL's own (``trl.rewards.accuracy_reward``,
+            ...) work unchanged.
+        reward_weights: One weight per reward function (default all 1); the reward is the weighted sum (``None``
+            rewards left out).
+        reward_timeout: Seconds one reward function may take per rollout batch before the run stops with an error
+            naming it (None: no limit, functions then run in the main thread); see `lit_smd.rewards.combine`.
         dataset_kwargs: Keyword arguments of the task function (or of ``load_rows``) when ``dataset`` is a string.
         prompts_per_step: Prompts drawn per rollout batch on each rank.
         num_generations: Completions per prompt (G).
@@ -94,10 +111,11 @@ class RolloutDataModule(ResumableDataModule):
         num_iterations: Passes over each rollout batch (the ratio stays against the rollout-time policy).
         minibatch_size: Completions per optimizer step; must divide ``prompts_per_step * num_generations``. None = the
             whole rollout batch.
-        stop_tokens: Extra tokens that end a completion (e.g. ``["<|im_end|>"]``), besides the tokenizer's EOS and
-            the policy's ``generation_config.eos_token_id``.
-        use_chat_template: Wrap prompts in the tokenizer's chat template when it has one.
-        system_prompt: System message before each prompt (chat template only).
+        stop_tokens: Extra tokens that end a completion, besides the tokenizer's EOS, the policy's
+            ``generation_config.eos_token_id`` and, for templated prompts, the template's end-of-turn token.
+        use_chat_template: Wrap plain-text prompts in the tokenizer's chat template when it has one (conversations
+            always are); see `lit_smd.tasks.chat`.
+        system_prompt: System message before each prompt (templated prompts only).
         seed: Seed of the prompt order and of the sampling.
         val_dataset: Evaluation prompts of `val_dataloader` (same forms as ``dataset``, with the reference columns the
             evaluation metric reads); None means no validation data.
@@ -113,6 +131,7 @@ class RolloutDataModule(ResumableDataModule):
         tokenizer: str | PreTrainedTokenizerBase,
         reward_funcs: list[RewardFn] | dict[str, RewardFn],
         reward_weights: list[float] | None = None,
+        reward_timeout: float | None = DEFAULT_REWARD_TIMEOUT_S,
         dataset_kwargs: dict[str, Any] | None = None,
         prompts_per_step: int = 8,
         num_generations: int = 8,
@@ -176,7 +195,7 @@ class RolloutDataModule(ResumableDataModule):
         self.dataset = dataset
         self.dataset_kwargs = dict(dataset_kwargs or {})
         self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
-        self.rewards = WeightedRewards(reward_funcs, reward_weights)
+        self.rewards = WeightedRewards(reward_funcs, reward_weights, reward_timeout)
         self.prompts_per_step = prompts_per_step
         self.num_generations = num_generations
         self.max_new_tokens = max_new_tokens
@@ -198,11 +217,12 @@ class RolloutDataModule(ResumableDataModule):
         self.prompt_lengths: list[int] = []
         self.num_filtered: dict[str, int] = {}
         self.stream: ExperienceStream | None = None
+        self.conversational = False  # whether the training prompts are conversations; known after `setup`
 
     @property
     def templated(self) -> bool:
         """Whether prompts go through the tokenizer's chat template (then tokenized without extra special tokens)."""
-        return self.use_chat_template and getattr(self.tokenizer, "chat_template", None) is not None
+        return uses_chat_template(self.tokenizer, self.use_chat_template, self.conversational)
 
     @property
     def batches_per_step(self) -> int:
@@ -223,6 +243,7 @@ class RolloutDataModule(ResumableDataModule):
         raw = resolve_dataset(self.dataset, **self.dataset_kwargs)
         if "prompt" not in raw.column_names:
             raise ValueError(f"the prompt dataset needs a 'prompt' column, got columns {raw.column_names}")
+        self.conversational = dataset_is_conversational(raw)
         prepared, too_long = prepare_prompts(
             raw, self.tokenizer, self.max_prompt_tokens, self.system_prompt, self.use_chat_template
         )
@@ -278,7 +299,8 @@ class RolloutDataModule(ResumableDataModule):
 
         Prompts are prepared like the training prompts (chat template, ``max_prompt_tokens``, empty ones dropped).
         Each batch is a dict: ``input_ids`` / ``attention_mask`` (``[B, P]``, left-padded), ``prompt`` (the prepared
-        texts) and every other column of the rows as a list (the references: ``answer``, ``reference``, ...).
+        texts) and every other column of the rows as a list (the references: ``answer``, ``reference``, ...; and
+        ``original_prompt`` when the prompts were templated).
 
         Args:
             split: ``"val"`` or ``"test"``.
@@ -299,16 +321,18 @@ class RolloutDataModule(ResumableDataModule):
         prepared = prepared.select(keep) if len(keep) < len(prepared) else prepared
         if not prepared:
             raise ValueError(f"no {split}_dataset prompt is left after filtering; check max_prompt_tokens")
-        return DataLoader(prepared, batch_size=self.eval_batch_size, shuffle=False, collate_fn=self._collate_prompts)
+        templated = uses_chat_template(self.tokenizer, self.use_chat_template, dataset_is_conversational(raw))
+        collate = functools.partial(self._collate_prompts, templated=templated)
+        return DataLoader(prepared, batch_size=self.eval_batch_size, shuffle=False, collate_fn=collate)
 
-    def _collate_prompts(self, rows: list[dict[str, Any]]) -> dict[str, Any]:
+    def _collate_prompts(self, rows: list[dict[str, Any]], templated: bool) -> dict[str, Any]:
         batch = {name: [row[name] for row in rows] for name in rows[0]}
         encoded = self.tokenizer(
             batch["prompt"],
             padding=True,
             padding_side="left",
             return_tensors="pt",
-            add_special_tokens=not self.templated,
+            add_special_tokens=not templated,
         )
         return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], **batch}
 
@@ -374,6 +398,7 @@ class RolloutDataModule(ResumableDataModule):
         generated = time.perf_counter()
         rewards = self.score(rollout, rows)
         scored = time.perf_counter()
+        experience_metrics = {f"rollout/reward_metric/{name}": value for name, value in rewards.metrics.items()}
         experience = learner.make_experience(
             rollout,
             rewards.total,
@@ -385,6 +410,7 @@ class RolloutDataModule(ResumableDataModule):
         done = time.perf_counter()
         experience.metrics.update(
             {
+                **experience_metrics,
                 "time/generate_s": generated - start,
                 "time/reward_s": scored - generated,
                 "time/rollout_s": done - start,
@@ -395,6 +421,10 @@ class RolloutDataModule(ResumableDataModule):
     def score(self, rollout: Rollout, rows: dict[str, list]) -> Any:
         """Decode the completions and run the reward functions (`lit_smd.rewards.RewardOutput`).
 
+        The functions get the prompts as the dataset gave them (strings or conversations), conversational
+        completions for conversations (`lit_smd.tasks.chat.completions_for_rewards`), ``completion_ids``, every
+        other column by name and ``trainer_state`` (`hf_trainer_state`), as in TRL.
+
         Args:
             rollout: G completions per prompt of ``rows``.
             rows: The prompt rows, column -> values (``prompt`` and the reference columns).
@@ -404,10 +434,13 @@ class RolloutDataModule(ResumableDataModule):
             row[mask].tolist()
             for row, mask in zip(rollout.completion_ids.cpu(), rollout.completion_mask.cpu(), strict=True)
         ]
-        completions = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
+        texts = self.tokenizer.batch_decode(ids, skip_special_tokens=True)
         repeated = {name: [value for value in values for _ in range(group)] for name, values in rows.items()}
-        prompts = repeated.pop("prompt")
-        return self.rewards(prompts, completions, completion_ids=ids, **repeated)
+        rendered = repeated.pop("prompt")
+        prompts = repeated.pop(ORIGINAL_PROMPT_COLUMN, rendered)
+        completions = completions_for_rewards(prompts, texts)
+        state = hf_trainer_state(self.trainer)
+        return self.rewards(prompts, completions, trainer_state=state, completion_ids=ids, **repeated)
 
     def minibatches(self, experience: Experience) -> Iterator[Experience]:
         """``num_iterations`` passes of consecutive ``minibatch_size`` slices; batch metrics on the first only."""
@@ -421,6 +454,8 @@ class RolloutDataModule(ResumableDataModule):
 
     def _eos_ids(self, policy: torch.nn.Module) -> list[int]:
         ids = [self.tokenizer.eos_token_id, *self.stop_token_ids]
+        if self.templated:
+            ids.append(end_of_turn_token_id(self.tokenizer))
         configured = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
         ids += configured if isinstance(configured, list) else [configured]
         return sorted({i for i in ids if i is not None})

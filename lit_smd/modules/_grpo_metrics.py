@@ -30,7 +30,7 @@ def rollout_metrics(
         "rollout/truncated_fraction": rollout.truncated.double().mean(),
     }
     for name, values in components.items():
-        metrics[f"rollout/reward/{name}"] = torch.as_tensor(values).double().mean()
+        metrics[f"rollout/reward/{name}"] = torch.as_tensor(values).double().nanmean()  # NaN: the function abstained
     if rollout.shadow_mask is not None:
         metrics["kv/visible_fraction"] = rollout.shadow_mask.visible_fraction(
             rollout.prompt_lengths, rollout.completion_mask

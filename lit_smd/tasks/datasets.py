@@ -12,7 +12,8 @@ Every adapter takes ``path`` (a hub id, a local ``.json``/``.jsonl``/``.parquet`
 data files; see :func:`load_rows`) and a ``template``, a ``str.format`` string over the source columns (literal braces
 doubled, as in ``\\boxed{{}}``). The default sources and templates follow the SMD repository's data preparation;
 the math templates ask for a boxed answer, the convention for instruct models. Adapters return raw prompts;
-:func:`prepare_prompts` then applies the tokenizer's chat template and drops prompts that are too long.
+:func:`prepare_prompts` then applies the tokenizer's chat template and drops prompts that are too long. A data file
+or hub dataset in TRL's conversational format (``prompt`` a list of messages) is used as it is.
 """
 
 import logging
@@ -26,6 +27,12 @@ from datasets import Dataset, load_dataset
 from transformers import PreTrainedTokenizerBase
 
 from lit_smd.rewards.math_answer import extract_answer, extract_boxed
+from lit_smd.tasks.chat import (
+    ORIGINAL_PROMPT_COLUMN,
+    dataset_is_conversational,
+    render_prompts,
+    uses_chat_template,
+)
 from lit_smd.tasks.synthetic import arithmetic, key_value_retrieval
 
 logger = logging.getLogger(__name__)
@@ -292,34 +299,42 @@ def prepare_prompts(
     system_prompt: str | None = None,
     use_chat_template: bool = True,
 ) -> tuple[Dataset, int]:
-    """Wrap prompts in the tokenizer's chat template and drop prompts longer than ``max_prompt_tokens``.
+    """Render prompts for the policy (`lit_smd.tasks.chat.render_prompts`) and drop those over ``max_prompt_tokens``.
 
-    With a chat template, each prompt becomes a user message (after ``system_prompt``, if given) rendered with
-    ``add_generation_prompt=True``; the result already contains the template's special tokens, so tokenize it with
-    ``add_special_tokens=False``. Without one (or with ``use_chat_template=False``) prompts stay as they are, and
-    lengths are counted with the tokenizer's usual special tokens.
+    Conversational prompts (lists of messages, TRL's format) always go through the tokenizer's chat template with
+    ``add_generation_prompt=True``; plain-text prompts do when ``use_chat_template`` is set and the tokenizer has a
+    template (each becomes a user message after ``system_prompt``, if given). Rendered prompts already contain the
+    template's special tokens, so tokenize them with ``add_special_tokens=False``; the prompts as the dataset gave
+    them move to the ``original_prompt`` column (what reward functions receive). Plain prompts that are not
+    templated stay as they are, and lengths are counted with the tokenizer's usual special tokens.
 
     Args:
-        dataset: Rows with a ``prompt`` column; other columns are kept.
+        dataset: Rows with a ``prompt`` column (strings, or lists of ``{"role", "content"}`` messages); other
+            columns are kept.
         tokenizer: Tokenizer of the policy; needed for chat templates and length filtering.
         max_prompt_tokens: Longest prompt kept, in tokens; ``None`` keeps all.
-        system_prompt: System message placed before each prompt (chat template only).
+        system_prompt: System message placed before each prompt (templated prompts only).
         use_chat_template: Set ``False`` to keep plain prompts even if the tokenizer has a chat template (base models).
 
     Returns:
         The prepared rows and the number of rows dropped for length (also logged).
+
+    Raises:
+        ValueError: Conversational prompts without a chat template (or with ``use_chat_template=False``).
     """
+    conversational = dataset_is_conversational(dataset)
     if tokenizer is None:
         if max_prompt_tokens is not None:
             raise ValueError("max_prompt_tokens needs a tokenizer to count tokens")
+        if conversational:
+            raise ValueError("conversational prompts need a tokenizer with a chat template to render them")
         return dataset, 0
-    templated = use_chat_template and getattr(tokenizer, "chat_template", None) is not None
+    templated = uses_chat_template(tokenizer, use_chat_template, conversational)
     if templated:
 
         def apply_template(batch: dict[str, list]) -> dict[str, list]:
-            system = [{"role": "system", "content": system_prompt}] if system_prompt is not None else []
-            conversations = [[*system, {"role": "user", "content": prompt}] for prompt in batch["prompt"]]
-            return {"prompt": tokenizer.apply_chat_template(conversations, add_generation_prompt=True, tokenize=False)}
+            rendered = render_prompts(batch["prompt"], tokenizer, system_prompt, templated=True)
+            return {"prompt": rendered, ORIGINAL_PROMPT_COLUMN: batch["prompt"]}
 
         dataset = dataset.map(apply_template, batched=True)
     if max_prompt_tokens is None:

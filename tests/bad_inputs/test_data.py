@@ -197,8 +197,8 @@ def test_sft_datamodule_rejects(kwargs, at_setup, pattern, tokenizer):
         data.setup()
 
 
-def abstains(prompts, completions, **kwargs):
-    return [None] * len(completions)
+def as_string(prompts, completions, **kwargs):
+    return "10"  # not two per-character rewards
 
 
 def one_value(prompts, completions, **kwargs):
@@ -213,8 +213,7 @@ def needs_answer(prompts, completions, answer, **kwargs):
 REWARD_ERRORS = [
     ("NaN reward", nan_reward, ValueError,
      r"reward function 'nan_reward' returned non-finite values at indices \[0, 1\]"),
-    ("None reward", abstains, RuntimeError,
-     r"reward function 'abstains' failed: TypeError: float\(\) argument must be .* not 'NoneType'"),
+    ("string reward", as_string, TypeError, r"reward function 'as_string' returned a str; it must return a list"),
     ("wrong count", one_value, ValueError, r"reward function 'one_value' returned 1 values for 2 completions"),
     ("missing column", needs_answer, RuntimeError,
      r"reward function 'needs_answer' failed: TypeError: .*missing 1 required positional argument: 'answer'"),

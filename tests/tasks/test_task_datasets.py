@@ -96,7 +96,9 @@ def test_prepare_prompts_applies_chat_template(tokenizer: PreTrainedTokenizerFas
         tokenize=False,
     )
     assert prepared[0]["prompt"] == expected
-    assert prepared.column_names == dataset.column_names and prepared["answer"] == dataset["answer"]
+    assert prepared.column_names == [*dataset.column_names, "original_prompt"]
+    assert prepared["answer"] == dataset["answer"]
+    assert prepared["original_prompt"] == dataset["prompt"]  # what reward functions receive
 
 
 def test_prepare_prompts_plain_without_template() -> None:
