@@ -162,3 +162,51 @@ def test_cli_trains_with_trl_own_reward_functions(tiny_dir, tmp_path):
     assert cli.trainer.global_step == 2
     logged = cli.trainer.callback_metrics.keys()
     assert {"rollout/reward/accuracy_reward", "rollout/reward/think_format_reward"} <= logged
+
+
+def test_distillation_and_teacher_cache_render_conversations_and_stop_at_end_of_turn(tiny_model_factory, tokenizer,
+                                                                                      tmp_path):
+    from lit_smd.datamodules import DistillDataModule, build_teacher_cache
+
+    data = DistillDataModule(str(FIXTURE), tokenizer, batch_size=2)
+    data.setup()
+    rows = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
+    rendered = [tokenizer.apply_chat_template(r["prompt"], add_generation_prompt=True, tokenize=False) for r in rows]
+    assert [tokenizer.decode(ids) for ids in data.prompt_ids] == rendered  # no special tokens added twice
+    end_of_turn = tokenizer.convert_tokens_to_ids(IM_END_TOKEN)
+    assert end_of_turn in data.eos_token_ids and tokenizer.eos_token_id in data.eos_token_ids
+    metadata = build_teacher_cache(tiny_model_factory(), data, str(tmp_path / "cache"), top_k=4, max_new_tokens=3)
+    assert end_of_turn in metadata.eos_token_ids and metadata.num_prompts == 4
+
+
+def test_evaluation_on_conversational_prompts(tiny_model_factory, tokenizer, monkeypatch):
+    import lightning as L
+
+    from lit_smd.callbacks import GenerationEval
+    from lit_smd.callbacks import generation_eval as generation_eval_module
+
+    calls, stops = [], []
+
+    def graded(prompts, completions, solution, **kwargs):  # TRL signature; abstains on a non-numeric solution
+        calls.append({"prompts": prompts, "completions": completions})
+        return [None if s == "any colour" else float(len(c[0]["content"]) % 2) for c, s in zip(completions, solution,
+                strict=True)]  # fmt: skip
+
+    real_generate = generation_eval_module.generate
+
+    def spy_generate(*args, **kwargs):
+        stops.append(kwargs["eos_token_id"])
+        return real_generate(*args, **kwargs)
+
+    monkeypatch.setattr(generation_eval_module, "generate", spy_generate)
+    data = RolloutDataModule(str(FIXTURE), tokenizer, [format_reward], val_dataset=str(FIXTURE), eval_batch_size=4)
+    callback = GenerationEval(metric=graded, num_samples=2, max_new_tokens=4)
+    trainer = L.Trainer(accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+                        enable_checkpointing=False, callbacks=[callback])  # fmt: skip
+    (results,) = trainer.validate(GRPOModule(tiny_model_factory(), mode="dense"), data, verbose=False)
+
+    assert tokenizer.convert_tokens_to_ids(IM_END_TOKEN) in stops[0]
+    (call,) = calls
+    assert call["prompts"][0][-1] == {"role": "user", "content": "What is 2+3?"}
+    scored = [float(len(c[0]["content"]) % 2) for c in call["completions"][:6]]  # the last prompt's 2 abstain
+    assert results["eval/graded"] == pytest.approx(sum(scored) / 6)
