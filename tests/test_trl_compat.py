@@ -126,7 +126,7 @@ def test_trl_reward_functions_unchanged():
 def _cli_config(tiny_dir: Path, tmp_path: Path, reward_funcs: list[str]) -> Path:
     config = {
         "trainer": {"accelerator": "cpu", "max_steps": 2, "logger": False, "enable_checkpointing": False,
-                    "enable_progress_bar": False},
+                    "enable_progress_bar": False, "default_root_dir": str(tmp_path)},  # config.yaml lands there
         "model": {"class_path": "lit_smd.modules.GRPOModule", "init_args": {"policy": str(tiny_dir), "mode": "dense"}},
         "data": {
             "class_path": "lit_smd.datamodules.RolloutDataModule",
