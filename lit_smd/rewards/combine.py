@@ -52,7 +52,7 @@ DEFAULT_REWARD_TIMEOUT_S = 60.0
 
 _FLOAT32_MAX = float(torch.finfo(torch.float32).max)
 _RESERVED = ("prompts", "completions", "completion_ids", "trainer_state", "log_metric", "log_extra")
-_ASYNC_GRACE_S = 5.0  # extra wait for an event loop that a blocking async function froze
+_ASYNC_GRACE_S = 1.0  # extra wait for an event loop that a blocking async function froze
 
 logger = logging.getLogger(__name__)
 
