@@ -24,7 +24,11 @@ import torch
 
 from lit_smd.rollout import score
 
-pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore:You are trying to `self.log")]
+pytestmark = [
+    pytest.mark.distributed,
+    pytest.mark.slow,  # about 80 s: 6 fits of 2 processes
+    pytest.mark.filterwarnings("ignore:You are trying to `self.log"),
+]
 
 SCRIPT_PATH = Path(__file__).with_name("fsdp_train_script.py")
 sys.path.insert(0, str(SCRIPT_PATH.parent))  # the script imports ddp_train_script
