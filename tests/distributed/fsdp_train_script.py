@@ -42,6 +42,7 @@ from lit_smd.tasks import key_value_retrieval  # noqa: E402
 WORLD_SIZE = 2
 STEPS = 3
 RESUME_FROM = 1
+CLIP = 0.5  # gradient_clip_val: the global norm over the shards of all ranks (the test checks that it clips)
 SFT_BATCH = 2
 
 
@@ -111,7 +112,7 @@ def fit(build: Any, data: Any, out: Path, run: str, model_attr: str, full_checkp
             max_steps=STEPS, accelerator="cpu", devices=WORLD_SIZE,
             strategy=FSDP2Strategy(process_group_backend="gloo", save_distributed_checkpoint=not full_checkpoint),
             logger=RankLogger(), log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
-            default_root_dir=out, callbacks=callbacks, num_sanity_val_steps=0,
+            default_root_dir=out, callbacks=callbacks, num_sanity_val_steps=0, gradient_clip_val=CLIP,
         )  # fmt: skip
         if module.__class__ is RecordingDistill:
             module.recorded = []

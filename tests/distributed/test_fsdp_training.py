@@ -6,7 +6,7 @@ distillation, a full one for SFT). The tests check, against one-process computat
 
 - the models were sharded, and the ranks trained on different data;
 - the gathered final weights equal a one-process replay of the same batches with the gradients averaged over the
-  ranks (what FSDP's reduce-scatter must do), GRPO with activation checkpointing;
+  ranks (what FSDP's reduce-scatter must do) and clipped by their global norm, GRPO with activation checkpointing;
 - the resumed fit trains on the same batches and ends with the same weights as the uninterrupted one;
 - GRPO's rollouts (sampled from the gathered policy with a compressed cache) and its sharded reference's scores equal
   a one-process shadow-mask replay of the initial weights, and the learner's logged mismatch is float noise.
@@ -72,14 +72,18 @@ def _replay(
     loss: Callable[[Any], torch.Tensor],
     optimizer: Callable[[Any], torch.optim.Optimizer],
 ) -> None:
-    """One process, no sharding, from ``initial``: per step the gradient averaged over the ranks' batches, a step."""
+    """One process, no sharding, from ``initial``: per step the gradient averaged over the ranks' batches, clipped to
+    a global norm of ``CLIP``, then a step. Asserts that clipping changed at least one step."""
     model.load_state_dict(initial)
     opt = optimizer(model.parameters())
+    norms = []
     for batches in steps:
         opt.zero_grad()
         for batch in batches:
             (loss(batch) / script.WORLD_SIZE).backward()
+        norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), script.CLIP)))
         opt.step()
+    assert max(norms) > script.CLIP, "no step was clipped: the clipping check would be vacuous"
 
 
 def _assert_trained_like_replay(model: torch.nn.Module, report: dict[str, Any]) -> None:
