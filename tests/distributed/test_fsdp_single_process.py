@@ -14,13 +14,15 @@ import lightning as L
 import pytest
 import torch
 import torch.distributed as dist
+from lightning.pytorch.strategies import ModelParallelStrategy
 from torch.distributed.fsdp import FSDPModule
 from torch.distributed.tensor import DTensor
 
 from lit_smd.callbacks import GenerationEval
 from lit_smd.datamodules import DistillDataModule, RolloutDataModule, SupervisedDataModule
-from lit_smd.fsdp import FSDP2Strategy
+from lit_smd.fsdp import FSDP2Strategy, shard_model
 from lit_smd.kv import RecentWindow
+from lit_smd.lora import LoraSettings, add_lora
 from lit_smd.models import build_tiny_model, load_causal_lm
 from lit_smd.modules import DistillModule, GRPOModule, SFTModule
 from lit_smd.tasks import key_value_retrieval
@@ -124,3 +126,18 @@ def test_sft_mixed_precision_policy_and_export_from_gathered_weights(tokenizer, 
     assert type(exported).__name__ == "Qwen3ForCausalLM" and exported.config.architectures == ["Qwen3ForCausalLM"]
     for name, value in exported.state_dict().items():
         torch.testing.assert_close(value, stored[name], rtol=0, atol=0)
+
+
+def test_lora_is_refused_under_fsdp2_before_any_sharding(tokenizer):
+    model = add_lora(_model(tokenizer), LoraSettings(r=2, alpha=4, target_modules=["q_proj"]))
+    with pytest.raises(ValueError, match="lora with FSDP2Strategy is not supported"):
+        shard_model(model, FSDP2Strategy())  # raised before the strategy's device mesh is needed
+    assert not isinstance(model, FSDPModule)
+
+
+def test_a_plain_model_parallel_strategy_is_refused_at_configure_model(tokenizer, tmp_path):
+    rows = key_value_retrieval(4, num_pairs=3)
+    data = SupervisedDataModule(rows, tokenizer, batch_size=2, use_chat_template=False)
+    strategy = ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    with pytest.raises(ValueError, match=r"trainer\.strategy=ModelParallelStrategy: .*lit_smd\.fsdp\.FSDP2Strategy"):
+        _trainer(tmp_path, strategy).fit(SFTModule(_model(tokenizer)), data)
