@@ -16,10 +16,11 @@ Why the gathers below
       child models (`call_as_forward`, built on ``register_fsdp_forward_method``): the root unit is gathered for the
       whole step, the chunked losses read the full ``lm_head.weight``, and its gradient is reduce-scattered after
       the backward like any other. Decoder layers still gather one at a time.
-    - `gathered` gathers a model for a block of no-grad work outside the step: the root only (``layers=False``:
-      scoring passes, layers gathered one at a time) or every unit at once (``layers=True``: generation, which calls
-      the model once per decoded token; one all-gather per rollout instead of one per layer per token, at the cost
-      of one full copy of the model on each rank during the rollout).
+    - `gathered` gathers a model for a block of no-grad work (sampling, scoring; outside the step, or inside it for
+      distillation's prefixes and teacher): the root only (``layers=False``: one scoring pass, layers gathered one at
+      a time) or every unit at once (``layers=True``: generation, which calls the model once per decoded token; one
+      all-gather per rollout instead of one per layer per token, at the cost of one full copy of the model on each
+      rank while it lasts).
 
 Frozen models (GRPO's reference, the distillation teacher) are sharded like the trained one (their own root, no
 optimizer state), except bitsandbytes-quantized ones, which stay replicated. Not supported under FSDP2: LoRA adapters
@@ -56,8 +57,10 @@ class FSDP2Strategy(ModelParallelStrategy):
     """Lightning's ``ModelParallelStrategy`` as pure FSDP2 (data parallel over every device, no tensor parallelism),
     with the mixed-precision policy and resharding lit_smd's modules apply in ``configure_model``.
 
-    It also runs on the CPU with the gloo backend (tests). Each step runs as a forward of the module's sharded
-    children (see the module docstring), so the chunked losses see the full ``lm_head``.
+    Lightning's ``ModelParallelStrategy`` already runs on the CPU with the gloo backend (the tests use it); this
+    subclass sets the mesh to one data-parallel dimension of every device, carries the FSDP2 settings, and runs each
+    step as a forward of the module's sharded children (see the module docstring), so the chunked losses see the full
+    ``lm_head``. Gradient accumulation (``accumulate_grad_batches``) reduce-scatters after every micro-batch.
 
     Args:
         param_dtype: Dtype the gathered parameters are cast to for the forward and backward (None: as stored).
