@@ -61,6 +61,7 @@ from transformers import PreTrainedTokenizerBase
 from typing_extensions import override
 
 from lit_smd.datamodules.experience import hf_trainer_state, report_phase
+from lit_smd.fsdp import gathered
 from lit_smd.metrics import AvgAtK, PassAtK, ResponseLength
 from lit_smd.models import load_tokenizer
 from lit_smd.rewards import (
@@ -292,7 +293,7 @@ class GenerationEval(Callback):
         templated = ORIGINAL_PROMPT_COLUMN in batch
         seed = hash((self.seed, trainer.global_step, batch_idx, trainer.global_rank)) % 2**63
         temperature = self.temperature if self.temperature is not None else getattr(pl_module, "temperature", 1.0)
-        with report_phase(pl_module, "eval"):
+        with report_phase(pl_module, "eval"), gathered(policy, layers=True):
             rollout = generate(
                 policy,
                 batch["input_ids"].to(device),

@@ -16,8 +16,9 @@ Generation runs in the training process (no workers): it needs the policy on its
 Distributed: every rank draws its own prompts (a shared seeded permutation per epoch, split by rank), generates, scores
 and computes advantages for its own groups (a group never spans ranks); all ranks run the same number of steps.
 Generation calls the policy module directly, outside the training step, so every rank needs the full weights: DDP
-(full replicas) is supported; sharded strategies (FSDP, DeepSpeed ZeRO-3, ``ModelParallelStrategy``) are refused at
-``setup`` by `require_full_weights` (docs/distributed.md says what supporting them would take).
+holds full replicas; under FSDP2 (`lit_smd.fsdp.FSDP2Strategy`) `collect` gathers the sharded policy whole for the
+rollout and the reference's root for its scoring (`lit_smd.fsdp.gathered`). FSDP1, DeepSpeed ZeRO-3 and a plain
+``ModelParallelStrategy`` are refused at ``setup`` by `require_full_weights` (docs/distributed.md).
 
 Resuming (`lit_smd.datamodules.resume`): ``fit(ckpt_path=...)`` continues exactly where the run stopped. The stream
 is stateful (``state_dict`` / ``load_state_dict``: the position in the epoch) and samples with one seed per (epoch,
@@ -67,6 +68,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lit_smd.datamodules.experience import Experience, RolloutLearner, hf_trainer_state, report_phase
 from lit_smd.datamodules.resume import EpochPosition, ResumableDataModule
+from lit_smd.fsdp import FSDP2Strategy, gathered
 from lit_smd.models import load_tokenizer, single_token_id
 from lit_smd.rewards.combine import DEFAULT_REWARD_TIMEOUT_S, RewardFn, WeightedRewards
 from lit_smd.rollout import Rollout, generate
@@ -363,7 +365,9 @@ class RolloutDataModule(ResumableDataModule):
         The work runs as the learner's ``"rollout"`` phase (`report_phase`).
         """
         self.setup()
-        with report_phase(learner, "rollout"):
+        # Under FSDP2 the policy is gathered whole for the rollout (and its scoring), the reference root-only.
+        reference = getattr(learner, "reference", None)
+        with report_phase(learner, "rollout"), gathered(learner.policy, layers=True), gathered(reference, layers=False):
             return self._collect(learner, indices, generator)
 
     def _collect(
@@ -562,12 +566,12 @@ class ExperienceStream:
 
 
 def require_full_weights(strategy: Strategy, component: str) -> None:
-    """Refuse a Lightning strategy under which a rank does not hold the full, gradient-synchronised model.
+    """Refuse a Lightning strategy under which ``component`` cannot reach the full weights outside the training step.
 
-    ``component`` runs the model outside the training step (sampling, scoring, probing, export), where FSDP and
-    DeepSpeed ZeRO-3 ranks hold only parameter shards; ``ModelParallelStrategy`` expects ``configure_model`` to
-    parallelise the model, which lit_smd's modules do not (replicas would train without gradient averaging). DDP and
-    single-device strategies pass.
+    ``component`` runs the model outside the training step (sampling, scoring, probing, export). lit_smd gathers
+    FSDP2 shards there (`lit_smd.fsdp.FSDP2Strategy`, which passes, as do DDP and single devices); it does not for
+    FSDP1 (``FSDPStrategy``), DeepSpeed ZeRO-3, or a plain ``ModelParallelStrategy`` (whose ``configure_model``
+    parallelisation lit_smd's modules do not know).
 
     Args:
         strategy: The trainer's strategy (``trainer.strategy``).
@@ -576,6 +580,8 @@ def require_full_weights(strategy: Strategy, component: str) -> None:
     Raises:
         ValueError: Naming the strategy and the supported alternative.
     """
+    if isinstance(strategy, FSDP2Strategy):
+        return
     sharded = isinstance(strategy, (FSDPStrategy, ModelParallelStrategy)) or (
         isinstance(strategy, DeepSpeedStrategy) and bool(strategy.zero_stage_3)
     )
@@ -583,7 +589,8 @@ def require_full_weights(strategy: Strategy, component: str) -> None:
         raise ValueError(
             f"{component} runs the model outside the training step and needs the full weights on every rank, but "
             f"trainer.strategy={type(strategy).__name__} shards them or leaves the model unparallelised: use "
-            "strategy='ddp' (configs/strategy/ddp.yaml); docs/distributed.md lists what is supported"
+            "lit_smd.fsdp.FSDP2Strategy (configs/strategy/fsdp.yaml) or strategy='ddp' (configs/strategy/ddp.yaml); "
+            "docs/distributed.md lists what is supported"
         )
 
 

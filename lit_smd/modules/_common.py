@@ -7,6 +7,7 @@ import torch
 from lightning.pytorch import LightningModule
 from lightning.pytorch.utilities import rank_zero_warn
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_smd.models import check_pretrained_source
@@ -114,7 +115,8 @@ class NonFiniteGuard:
         trainer = module.trainer
         names, part_flags = list(self._part_flags), list(self._part_flags.values())
         self._part_flags = {}
-        grads = [(name, param.grad) for name, param in module.named_parameters() if param.grad is not None]
+        # Under FSDP2 gradients are DTensors: each rank checks its own shard, and the sum over ranks below covers all.
+        grads = [(name, _local(param.grad)) for name, param in module.named_parameters() if param.grad is not None]
         # MixedPrecision and FSDPPrecision carry a ``scaler`` (None without fp16 loss scaling).
         if getattr(trainer.precision_plugin, "scaler", None) is not None:
             grads = []
@@ -143,6 +145,11 @@ class NonFiniteGuard:
             rank_zero_warn(f"{message}. The optimizer step is skipped ({self.skipped_steps} so far)")
         if self.action == "skip":
             module.log(SKIPPED_STEPS_KEY, float(self.skipped_steps), on_step=True, on_epoch=False, batch_size=1)
+
+
+def _local(tensor: Tensor) -> Tensor:
+    """This rank's shard of a ``DTensor`` (FSDP2), or the tensor itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def _describe_nonfinite(step: int, parts: list[str], any_part: bool, grad_names: list[str], num_grads: int) -> str:

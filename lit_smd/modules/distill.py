@@ -76,6 +76,7 @@ from lit_smd.datamodules.distill import PromptBatch
 from lit_smd.datamodules.rollout import require_full_weights
 from lit_smd.datamodules.teacher_cache import CachedBatch, CacheMetadata, tokenizer_fingerprint
 from lit_smd.datamodules.teacher_cache_build import teacher_topk_logprobs
+from lit_smd.fsdp import fsdp_strategy, gathered, shard_model, unsharded_attribute
 from lit_smd.lora import LoraSettings, add_lora, check_lora, save_pretrained_merged
 from lit_smd.losses.grpo import masked_mean
 from lit_smd.losses.kl import chunked_token_kl, sampled_reverse_kl
@@ -246,14 +247,15 @@ class DistillModule(LightningModule):
         was_training = self.student.training
         self.student.eval()
         try:
-            generator = torch.Generator(self.device).manual_seed(self.sampling_seed)
-            rollout = self._generate(self.student, prompts, generator)
-            hidden = completion_hidden_states(self.student, rollout, shadow=False)  # [B, N, H]
-            head = self.student.get_output_embeddings()
-            _, entropy = token_logprobs_and_entropy(
-                hidden, head.weight, head.bias, rollout.completion_ids, temperature=self.temperature,
-                chunk_size=self.logits_chunk_size,
-            )  # fmt: skip
+            with gathered(self.student, layers=True):  # FSDP2: the whole student for the probe
+                generator = torch.Generator(self.device).manual_seed(self.sampling_seed)
+                rollout = self._generate(self.student, prompts, generator)
+                hidden = completion_hidden_states(self.student, rollout, shadow=False)  # [B, N, H]
+                head = self.student.get_output_embeddings()
+                _, entropy = token_logprobs_and_entropy(
+                    hidden, head.weight, head.bias, rollout.completion_ids, temperature=self.temperature,
+                    chunk_size=self.logits_chunk_size,
+                )  # fmt: skip
         finally:
             self.student.train(was_training)
         return ProbeStats(
@@ -287,7 +289,8 @@ class DistillModule(LightningModule):
                     "teacher prefixes without a teacher: pass `teacher`, or train on a TeacherCacheDataModule"
                 )
             rollout = self._generate(self.teacher, prompts, self._generator(batch_idx))
-        loss, metrics = self.distill_loss(rollout, cached)
+        with gathered(self.teacher, layers=False):  # FSDP2: the teacher's root for its scoring pass
+            loss, metrics = self.distill_loss(rollout, cached)
         weights = (("distill/forward_kl", self.forward_weight), ("distill/reverse_kl", self.reverse_weight))
         self.nonfinite_guard.record({**{key: metrics[key] for key, w in weights if w > 0}, "train/loss": loss})
         side = "student" if student_prefix else "teacher"
@@ -380,9 +383,14 @@ class DistillModule(LightningModule):
                 load_causal_lm(self._teacher_source, dtype=self.model_dtype, quantization=self.teacher_quantization)
             )
         self._check_models()
+        if (strategy := fsdp_strategy(self)) is not None:  # FSDP2: student and teacher sharded (docs/distributed.md)
+            shard_model(self.student, strategy)
+            if self.teacher is not None:
+                shard_model(self.teacher, strategy)
 
     def setup(self, stage: str) -> None:
-        """Refuse sharded strategies before any model is loaded (`lit_smd.datamodules.rollout.require_full_weights`)."""
+        """Refuse strategies whose shards lit_smd cannot gather (FSDP1, ZeRO-3) before any model is loaded
+        (`lit_smd.datamodules.rollout.require_full_weights`); `lit_smd.fsdp.FSDP2Strategy` passes."""
         require_full_weights(self.trainer.strategy, "DistillModule (sampling, the entropy probe, export_student)")
 
     def on_fit_start(self) -> None:
@@ -401,8 +409,11 @@ class DistillModule(LightningModule):
         self.nonfinite_guard.check(self)  # skip or stop on NaN / inf, before gradient clipping and the step
 
     def on_train_end(self) -> None:
-        if self.export_dir is not None and self.trainer.is_global_zero:
-            self.export_student(self.export_dir, tokenizer=getattr(self.trainer.datamodule, "tokenizer", None))
+        if self.export_dir is None:
+            return
+        with unsharded_attribute(self, "student"):  # under FSDP2 every rank gathers, rank 0 writes
+            if self.trainer.is_global_zero:
+                self.export_student(self.export_dir, tokenizer=getattr(self.trainer.datamodule, "tokenizer", None))
 
     def check_cache(self, metadata: CacheMetadata) -> None:
         """Check a teacher cache against the student and the settings; raises ``ValueError`` naming the parameter."""
@@ -511,11 +522,12 @@ class DistillModule(LightningModule):
     def _generate(self, model: PreTrainedModel, prompts: PromptBatch, generator: torch.Generator | None) -> Rollout:
         configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
         configured = configured if isinstance(configured, list) else [configured]
-        return generate(
-            model, prompts.prompt_ids, prompts.prompt_mask, max_new_tokens=self._max_new_tokens,
-            temperature=self.temperature, eos_token_id=sorted({*prompts.eos_token_ids, *filter(None, configured)}),
-            pad_token_id=prompts.pad_token_id, generator=generator,
-        )  # fmt: skip
+        with gathered(model, layers=True):  # FSDP2: the whole model for the decode loop
+            return generate(
+                model, prompts.prompt_ids, prompts.prompt_mask, max_new_tokens=self._max_new_tokens,
+                temperature=self.temperature, eos_token_id=sorted({*prompts.eos_token_ids, *filter(None, configured)}),
+                pad_token_id=prompts.pad_token_id, generator=generator,
+            )  # fmt: skip
 
     def _truncate(self, batch: CachedBatch) -> tuple[Rollout, tuple[Tensor, Tensor]]:
         """The cached trajectories cut at ``max_new_tokens`` (cut ones marked ``"length"``) and their top-k."""

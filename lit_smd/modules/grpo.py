@@ -83,6 +83,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from lit_smd.datamodules.experience import Experience, PhaseListener, report_phase
+from lit_smd.fsdp import fsdp_strategy, shard_model
 from lit_smd.kv import Compressor
 from lit_smd.lora import LoraSettings, add_lora, check_lora, lora_disabled
 from lit_smd.losses.grpo import LossType, ScaleRewards, group_advantages, masked_mean, mismatch_stats, policy_loss
@@ -410,7 +411,7 @@ class GRPOModule(LightningModule):
 
     def configure_model(self) -> None:
         """Load ``policy`` / ``reference`` given as paths and copy the reference when needed, i.e. ``beta > 0``, no
-        ``reference`` and no ``lora`` (idempotent)."""
+        ``reference`` and no ``lora``; under `lit_smd.fsdp.FSDP2Strategy`, shard both (idempotent)."""
         if self.policy is None:
             self.policy = load_causal_lm(self._policy_source, dtype=self.model_dtype)
             self._prepare_policy()
@@ -420,6 +421,10 @@ class GRPOModule(LightningModule):
             )
         if self.reference is None and self.beta > 0 and self.lora is None:
             self._frozen["reference"] = freeze(copy.deepcopy(self.policy))
+        if (strategy := fsdp_strategy(self)) is not None:  # FSDP2: policy and reference sharded (docs/distributed.md)
+            shard_model(self.policy, strategy)
+            if self.reference is not None:
+                shard_model(self.reference, strategy)
 
     @property
     def reference_is_base(self) -> bool:

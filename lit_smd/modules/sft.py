@@ -34,6 +34,7 @@ from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_smd.datamodules.sft import IGNORE_INDEX
+from lit_smd.fsdp import fsdp_strategy, shard_model, unsharded_attribute
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.models import load_causal_lm, load_tokenizer
 from lit_smd.modules._common import (
@@ -179,10 +180,12 @@ class SFTModule(LightningModule):
         return configure_optimizers(self.policy, self.optimizer_factory, self.lr_scheduler_factory, default_lr=1e-5)
 
     def configure_model(self) -> None:
-        """Load ``policy`` given as a path (idempotent)."""
+        """Load ``policy`` given as a path; under `lit_smd.fsdp.FSDP2Strategy`, shard it (idempotent)."""
         if self.policy is None:
             self.policy = load_causal_lm(self._policy_source, dtype=self.model_dtype)
             self._prepare_policy()
+        if (strategy := fsdp_strategy(self)) is not None:
+            shard_model(self.policy, strategy)
 
     def on_fit_start(self) -> None:
         # from_pretrained and build_tiny_model return eval-mode models, and Lightning keeps the mode it finds.
@@ -193,8 +196,11 @@ class SFTModule(LightningModule):
         self.nonfinite_guard.check(self)  # skip or stop on NaN / inf, before gradient clipping and the step
 
     def on_train_end(self) -> None:
-        if self.export_dir is not None and self.trainer.is_global_zero:
-            self.export_policy(self.export_dir, tokenizer=getattr(self.trainer.datamodule, "tokenizer", None))
+        if self.export_dir is None:
+            return
+        with unsharded_attribute(self, "policy"):  # under FSDP2 every rank gathers, rank 0 writes
+            if self.trainer.is_global_zero:
+                self.export_policy(self.export_dir, tokenizer=getattr(self.trainer.datamodule, "tokenizer", None))
 
     def export_policy(self, directory: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
         """Write the policy and its tokenizer with ``save_pretrained``.

@@ -1,9 +1,9 @@
-"""The strategy overlays (configs/strategy/) and the refusal of strategies under which a rank lacks the full model.
+"""The strategy overlays (configs/strategy/) and the refusal of strategies whose shards lit_smd cannot gather.
 
-``ddp.yaml`` over the GRPO and distillation paper configs (tiny local models, CPU) gives a 2-device DDP trainer.
-``fsdp.yaml`` parses into Lightning's ``FSDPStrategy`` (the trainer itself cannot be built from it on the CPU: torch's
-FSDP needs an accelerator), which lit_smd refuses: a fit under a sharding strategy fails at setup, before any model is
-loaded, with an error naming the strategy and the alternative.
+``ddp.yaml`` over the GRPO and distillation paper configs (tiny local models, CPU) gives a 2-device DDP trainer;
+``fsdp.yaml`` a 2-device `lit_smd.fsdp.FSDP2Strategy` trainer, which passes `require_full_weights`. FSDP1
+(``FSDPStrategy``), DeepSpeed ZeRO-3 and a plain ``ModelParallelStrategy`` are refused: a fit fails at setup, before
+any model is loaded, with an error naming the strategy and the alternatives.
 """
 
 import sys
@@ -11,13 +11,14 @@ from pathlib import Path
 
 import lightning as L
 import pytest
+import torch
 import torch.distributed as dist
 from lightning.pytorch.strategies import DDPStrategy, DeepSpeedStrategy, FSDPStrategy, ModelParallelStrategy
-from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer
 
-from lit_smd.cli import LitSmdCLI, main
+from lit_smd.cli import main
 from lit_smd.datamodules import DistillDataModule, RolloutDataModule
 from lit_smd.datamodules.rollout import require_full_weights
+from lit_smd.fsdp import FSDP2Strategy
 from lit_smd.kv import RecentWindow
 from lit_smd.models import save_tiny_checkpoint
 from lit_smd.modules import DistillModule, GRPOModule
@@ -64,21 +65,20 @@ def test_ddp_overlay_gives_a_ddp_trainer(run, tiny_dir, tmp_path):
     assert cli.trainer.precision == "32-true"  # the run config's other trainer settings survive the overlay
 
 
-def test_fsdp_overlay_parses_into_an_fsdp_strategy_that_lit_smd_refuses(tiny_dir, tmp_path, monkeypatch):
-    trainer_config = {}
+@pytest.mark.parametrize("run", ["grpo", "distill"])
+def test_fsdp_overlay_gives_an_fsdp2_trainer_that_lit_smd_accepts(run, tiny_dir, tmp_path):
+    overlay = ["--config", str(ROOT / "configs/strategy/fsdp.yaml"), "--trainer.accelerator", "cpu"]
+    cli = main([*_paper_config(run, tiny_dir, tmp_path), *overlay, "--trainer.devices", "2"], run=False)
+    strategy = cli.trainer.strategy
+    assert isinstance(strategy, FSDP2Strategy) and cli.trainer.num_devices == 2
+    assert strategy.mp_policy.param_dtype == torch.bfloat16 and strategy.mp_policy.reduce_dtype == torch.float32
+    assert strategy.reshard_after_forward and strategy._save_distributed_checkpoint
+    require_full_weights(strategy, "RolloutDataModule")
 
-    def capture(cli: LitSmdCLI, **kwargs: object) -> None:
-        trainer_config.update(cli.config_init["trainer"])  # the instantiated arguments the Trainer would get
 
-    monkeypatch.setattr(LitSmdCLI, "instantiate_trainer", capture)
-    overlay = ["--config", str(ROOT / "configs/strategy/fsdp.yaml")]
-    main([*_paper_config("grpo", tiny_dir, tmp_path), *overlay], run=False)
-    strategy = trainer_config["strategy"]
-    assert isinstance(strategy, FSDPStrategy) and trainer_config["accelerator"] == "gpu"
-    assert strategy.kwargs["auto_wrap_policy"]._module_classes == {Qwen3DecoderLayer}
-    assert strategy._state_dict_type == "sharded" and str(strategy.sharding_strategy) == "ShardingStrategy.FULL_SHARD"
-    with pytest.raises(ValueError, match=REFUSAL):
-        require_full_weights(strategy, "RolloutDataModule")
+def test_fsdp2_strategy_rejects_an_unknown_dtype():
+    with pytest.raises(ValueError, match="param_dtype must be"):
+        FSDP2Strategy(param_dtype="bf16")
 
 
 class _CPUFSDPStrategy(FSDPStrategy):
