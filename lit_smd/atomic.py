@@ -37,6 +37,7 @@ __all__ = [
     "fsync_dir",
     "fsync_tree",
     "is_stale",
+    "publish_dir",
     "staging_dir",
     "temp_name",
 ]
@@ -188,3 +189,31 @@ def exchange(a: Path, b: Path) -> bool:
     if code in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP):
         return False
     raise OSError(code, os.strerror(code), str(a), None, str(b))
+
+
+@contextlib.contextmanager
+def publish_dir(final: str | os.PathLike[str]) -> Iterator[Path]:
+    """Write a folder (an export) in a staging sibling, then publish it: no file under ``final`` is ever partial.
+
+    A new ``final`` appears in one rename. Into an existing ``final`` each file is moved with ``os.replace`` (the
+    folder's other files are kept), so every file is whole, old or new, even if the process dies part-way. Staging
+    folders of killed exports (`is_stale`) are removed first.
+
+    Yields:
+        The staging folder to write into (removed if the body raises).
+    """
+    final = Path(final)
+    final.parent.mkdir(parents=True, exist_ok=True)
+    clean_stale(final.parent, final.name, ("export",))
+    with staging_dir(final, "export") as staging:
+        yield staging
+        fsync_tree(staging)
+        if not final.exists():
+            os.replace(staging, final)
+        else:
+            for file in sorted(p for p in staging.rglob("*") if p.is_file()):
+                destination = final / file.relative_to(staging)
+                destination.parent.mkdir(parents=True, exist_ok=True)
+                os.replace(file, destination)
+                fsync_dir(destination.parent)
+        fsync_dir(final.parent)
