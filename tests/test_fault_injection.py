@@ -192,20 +192,27 @@ def cache_prompts(tokenizer) -> DistillDataModule:
     return DistillDataModule(arithmetic(4, seed=7), tokenizer, batch_size=2, use_chat_template=False)
 
 
-def cache_work(ready, output: Path, progress: Path, slow_swap: bool) -> None:
+def cache_work(ready, output: Path, progress: Path, swap: str) -> None:
+    """Rebuild the cache over itself in a loop. ``swap``: ``"exchange"`` (Linux's atomic exchange), ``"two-renames"``
+    (the fallback, 0.3 s after each rename), ``"mid-swap"`` (the fallback; ready once the old cache is set aside, then
+    a 5 s pause: the kill lands between the two renames, the trial's case)."""
     torch.set_num_threads(1)
     tokenizer = build_tiny_tokenizer()
     teacher = build_tiny_model("qwen3", tokenizer=tokenizer, seed=1)
-    if slow_swap:  # the OS without an atomic exchange, with a wide window between the two renames
+    if swap != "exchange":
         replace = os.replace
         teacher_cache_build.exchange = lambda a, b: False
 
         def slow_replace(src, dst) -> None:
             replace(src, dst)
+            if swap == "mid-swap" and ".lit_smd-old-" in str(dst):
+                ready.set()
+                time.sleep(5)
             time.sleep(0.3)
 
         teacher_cache_build.os = _OsWith(slow_replace)
-    ready.set()
+    if swap != "mid-swap":
+        ready.set()
     for seed in range(1, 10**6):
         build_teacher_cache(teacher, cache_prompts(tokenizer), str(output), top_k=4, max_new_tokens=3, seed=seed,
                             overwrite=True)  # fmt: skip
@@ -254,7 +261,7 @@ def check_export(output: Path, progress: Path) -> list[str]:
         load_tokenizer(str(output))
     except Exception as error:  # noqa: BLE001
         return [f"export does not load: {error}"]
-    value = float(model.lm_head.weight[0, 0])
+    value = float(model.lm_head.weight[0, 0].detach())
     problems = [] if not steps or value >= steps[-1] else [f"export holds step {value}, {steps[-1]} was reported"]
     module = sft_module(build_tiny_tokenizer())
     module.export_policy(output, build_tiny_tokenizer())  # the next start
@@ -299,7 +306,8 @@ def run_suite(root: Path, kills: dict[str, int], seed: int = 0, io_kind: str = "
                 tokenizer = build_tiny_tokenizer()
                 build_teacher_cache(build_tiny_model("qwen3", tokenizer=tokenizer, seed=1), cache_prompts(tokenizer),
                                     str(output), top_k=4, max_new_tokens=3)  # fmt: skip
-                kill_during(cache_work, (output, progress, name == "cache-two-renames"), rng.uniform(0.0, 2.0))
+                swap = {"cache": "exchange", "cache-two-renames": "two-renames", "cache-mid-swap": "mid-swap"}[name]
+                kill_during(cache_work, (output, progress, swap), rng.uniform(0.0, 0.5 if swap == "mid-swap" else 2.0))
                 results[name].append(check_cache(output, progress))
             elif name == "export":
                 kill_during(export_work, (folder / "policy", progress), rng.uniform(0.0, 1.5))
@@ -322,8 +330,14 @@ def check(results: dict[str, list]) -> None:
     assert not failures, failures
 
 
-FAST = {"save-tmpdir-same-fs": 2, "save-tmpdir-other-fs": 2, "fit": 1, "cache": 1, "cache-two-renames": 1, "export": 1}
-SLOW = {"save-tmpdir-same-fs": 8, "save-tmpdir-other-fs": 8, "fit": 6, "cache": 4, "cache-two-renames": 4, "export": 6}
+FAST = {
+    "save-tmpdir-same-fs": 2, "save-tmpdir-other-fs": 2, "fit": 1, "cache": 1, "cache-two-renames": 1,
+    "cache-mid-swap": 1, "export": 1,
+}  # fmt: skip
+SLOW = {
+    "save-tmpdir-same-fs": 8, "save-tmpdir-other-fs": 8, "fit": 6, "cache": 4, "cache-two-renames": 4,
+    "cache-mid-swap": 3, "export": 6,
+}  # fmt: skip
 
 
 def test_fault_injection_fast_subset(tmp_path):
