@@ -37,7 +37,13 @@ from lightning.pytorch.cli import SaveConfigCallback
 
 from lit_smd.atomic import atomic_write, atomic_write_text, clean_stale
 
-__all__ = ["AtomicCheckpointIO", "AtomicSaveConfigCallback", "CheckpointReadError", "is_complete_checkpoint"]
+__all__ = [
+    "AtomicCheckpointIO",
+    "AtomicSaveConfigCallback",
+    "CheckpointReadError",
+    "checked_checkpoint_path",
+    "is_complete_checkpoint",
+]
 
 
 class CheckpointReadError(ValueError):
@@ -63,6 +69,45 @@ def _newest_readable(folder: Path, exclude: Path) -> Path | None:
         if is_complete_checkpoint(candidate):
             return candidate
     return None
+
+
+def checked_checkpoint_path(path: _PATH, fallback_to_readable: bool = False) -> Path:
+    """``path`` if it is not a truncated checkpoint (or does not exist); else the fallback or `CheckpointReadError`.
+
+    Args:
+        path: A local checkpoint file.
+        fallback_to_readable: For a ``last*.ckpt`` that is truncated, return the newest readable checkpoint of its
+            folder (with a warning) instead of raising.
+
+    Raises:
+        CheckpointReadError: ``path`` is truncated / not a checkpoint, naming the newest readable one if any.
+    """
+    file = Path(path)
+    if not file.is_file() or is_complete_checkpoint(file):
+        return file
+    readable = _newest_readable(file.parent, file)
+    problem = f"checkpoint {file} ({file.stat().st_size} bytes) is truncated or not a torch checkpoint"
+    if fallback_to_readable and file.name.startswith("last") and readable is not None:
+        warnings.warn(f"{problem}; loading the newest readable checkpoint of its folder, {readable}", stacklevel=2)
+        return readable
+    hint = (
+        f"the newest readable checkpoint in {file.parent} is {readable}: pass it as --ckpt_path"
+        if readable is not None
+        else f"no readable checkpoint is left in {file.parent}"
+    )
+    raise CheckpointReadError(f"{problem} (an interrupted copy or a crash during the save); {hint}")
+
+
+def fallback_requested(plugins: Any) -> bool:
+    """Whether a parsed ``trainer.plugins`` value (jsonargparse Namespaces / dicts / objects) holds an
+    `AtomicCheckpointIO` with ``fallback_to_readable=True``."""
+    for plugin in plugins if isinstance(plugins, list) else [plugins]:
+        if isinstance(plugin, AtomicCheckpointIO):
+            return plugin.fallback_to_readable
+        if hasattr(plugin, "get") and str(plugin.get("class_path", "")).endswith("AtomicCheckpointIO"):
+            init_args = plugin.get("init_args") or {}
+            return bool(init_args.get("fallback_to_readable", False))
+    return False
 
 
 class AtomicCheckpointIO(TorchCheckpointIO):
@@ -104,25 +149,9 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         """
         if not _is_local_file_protocol(path):
             return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
-        file = Path(path)
+        file = checked_checkpoint_path(path, self.fallback_to_readable)
         clean_stale(file.parent, kinds=("tmp",))
-        if file.is_file() and not is_complete_checkpoint(file):
-            file = self._replacement(file)
         return super().load_checkpoint(file, map_location=map_location, weights_only=weights_only)
-
-    def _replacement(self, file: Path) -> Path:
-        readable = _newest_readable(file.parent, file)
-        problem = f"checkpoint {file} ({file.stat().st_size} bytes) is truncated or not a torch checkpoint"
-        if self.fallback_to_readable and file.name.startswith("last") and readable is not None:
-            warnings.warn(f"{problem}; loading the newest readable checkpoint of its folder, {readable}", stacklevel=3)
-            return readable
-        hint = (
-            f"the newest readable checkpoint in {file.parent} is {readable}: pass it as --ckpt_path"
-            if readable is not None
-            else f"no readable checkpoint is left in {file.parent}"
-        )
-        raise CheckpointReadError(f"{problem} (an interrupted copy or a crash during the save); {hint}")
-
 
 class AtomicSaveConfigCallback(SaveConfigCallback):
     """LightningCLI's `SaveConfigCallback`, writing ``config.yaml`` atomically (`lit_smd.atomic.atomic_write_text`).

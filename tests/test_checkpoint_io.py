@@ -10,12 +10,18 @@ import lightning as L
 import pytest
 import torch
 import yaml
+from jsonargparse import Namespace
 from lightning.pytorch.callbacks import ModelCheckpoint
 from lightning.pytorch.cli import LightningArgumentParser
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lit_smd import atomic
-from lit_smd.checkpoint_io import AtomicCheckpointIO, AtomicSaveConfigCallback, CheckpointReadError
+from lit_smd.checkpoint_io import (
+    AtomicCheckpointIO,
+    AtomicSaveConfigCallback,
+    CheckpointReadError,
+    fallback_requested,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -155,3 +161,12 @@ def test_every_run_config_uses_the_plugin_and_no_version_counter():
             if callback["class_path"].endswith("ModelCheckpoint"):
                 assert callback["init_args"]["enable_version_counter"] is False, path
     assert len(runs) >= 10
+
+
+def test_the_cli_reads_fallback_to_readable_from_the_trainer_plugins():
+    entry = Namespace(class_path="lit_smd.checkpoint_io.AtomicCheckpointIO")
+    entry.init_args = Namespace(fallback_to_readable=True)
+    assert fallback_requested([entry]) and fallback_requested(AtomicCheckpointIO(fallback_to_readable=True))
+    assert fallback_requested([{"class_path": "AtomicCheckpointIO", "init_args": {"fallback_to_readable": True}}])
+    default = Namespace(class_path="lit_smd.checkpoint_io.AtomicCheckpointIO", init_args=None)
+    assert not fallback_requested([default]) and not fallback_requested(None) and not fallback_requested([])
