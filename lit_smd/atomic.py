@@ -6,9 +6,9 @@ Algorithm
     Windows) and ``fsync``\\ s the folder so that the rename itself survives a power cut. A process killed at any
     moment leaves either the old file or the new one under the final name, plus at worst a temporary file.
 
-    Temporary names carry the writer's process id: ``.<name>.lit_smd-<kind>-<pid>-<8 hex>``. `clean_stale` removes
-    only names of that pattern whose process is gone (a killed writer), so nothing another program (or a live writer)
-    made is ever deleted.
+    Temporary names carry the writer's host and process id: ``.<name>.lit_smd-<kind>-<host>-<pid>-<8 hex>`` (host: 6
+    hex digits of the host name's SHA-1). `clean_stale` removes only names of that pattern made on this host by a
+    process that is gone (a killed writer), so nothing another program, host or live writer made is ever deleted.
 
 Departures
     ``fsync`` of a folder is skipped where the OS does not allow it (Windows); the rename is still atomic there.
@@ -19,10 +19,12 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import errno
+import hashlib
 import logging
 import os
 import re
 import shutil
+import socket
 import sys
 import uuid
 from collections.abc import Callable, Iterator
@@ -44,12 +46,13 @@ __all__ = [
 
 logger = logging.getLogger(__name__)
 
-_TEMP = re.compile(r"^\.(?P<name>.+)\.lit_smd-(?P<kind>[a-z]+)-(?P<pid>\d+)-[0-9a-f]{8}$")
+_TEMP = re.compile(r"^\.(?P<name>.+)\.lit_smd-(?P<kind>[a-z]+)-(?P<host>[0-9a-f]{6})-(?P<pid>\d+)-[0-9a-f]{8}$")
+HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:6]
 
 
 def temp_name(final: Path, kind: str = "tmp") -> Path:
-    """A fresh temporary sibling of ``final``: ``.<name>.lit_smd-<kind>-<pid>-<8 hex>`` in the same folder."""
-    return final.parent / f".{final.name}.lit_smd-{kind}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+    """A fresh temporary sibling of ``final``: ``.<name>.lit_smd-<kind>-<host>-<pid>-<8 hex>`` in the same folder."""
+    return final.parent / f".{final.name}.lit_smd-{kind}-{HOST}-{os.getpid()}-{uuid.uuid4().hex[:8]}"
 
 
 def _pid_alive(pid: int) -> bool:
@@ -65,7 +68,7 @@ def _pid_alive(pid: int) -> bool:
 
 
 def is_stale(path: Path, final_name: str | None = None, kinds: tuple[str, ...] | None = None) -> bool:
-    """Whether ``path`` is a temporary name made by `temp_name` whose writing process is gone.
+    """Whether ``path`` is a temporary name made by `temp_name` on this host whose writing process is gone.
 
     Args:
         path: A file or folder.
@@ -75,7 +78,7 @@ def is_stale(path: Path, final_name: str | None = None, kinds: tuple[str, ...] |
     match = _TEMP.match(path.name)
     if match is None or (final_name is not None and match["name"] != final_name):
         return False
-    if kinds is not None and match["kind"] not in kinds:
+    if (kinds is not None and match["kind"] not in kinds) or match["host"] != HOST:
         return False
     return not _pid_alive(int(match["pid"]))
 

@@ -6,7 +6,9 @@ import sys
 
 import pytest
 
-from lit_smd.atomic import atomic_write_text, clean_stale, exchange, publish_dir, temp_name
+from lit_smd.atomic import HOST, atomic_write_text, clean_stale, exchange, publish_dir, temp_name
+
+OTHER_HOST = "000000" if HOST != "000000" else "111111"  # another machine sharing the folder
 
 
 def dead_pid() -> int:
@@ -26,11 +28,12 @@ def test_atomic_write_replaces_whole_and_cleans_up_on_error(tmp_path):
 
 
 def test_clean_stale_removes_only_our_names_of_dead_processes(tmp_path):
-    dead = tmp_path / f".x.lit_smd-export-{dead_pid()}-abcdef01"
+    dead = tmp_path / f".x.lit_smd-export-{HOST}-{dead_pid()}-abcdef01"
     dead.mkdir()
     live = temp_name(tmp_path / "x", "export")
     live.mkdir()
-    foreign = [tmp_path / ".x.export-1", tmp_path / "x", tmp_path / f".y.lit_smd-export-{dead_pid()}-abcdef01"]
+    foreign = [tmp_path / ".x.export-1", tmp_path / "x", tmp_path / f".y.lit_smd-export-{HOST}-{dead_pid()}-abcdef01",
+               tmp_path / f".x.lit_smd-export-{OTHER_HOST}-{dead_pid()}-abcdef01"]  # fmt: skip
     for path in foreign:
         path.mkdir()
     assert clean_stale(tmp_path, "x") == [dead]

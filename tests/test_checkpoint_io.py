@@ -16,6 +16,7 @@ from lightning.pytorch.cli import LightningArgumentParser
 from lightning.pytorch.demos.boring_classes import BoringModel
 
 from lit_smd import atomic
+from lit_smd.atomic import HOST
 from lit_smd.checkpoint_io import (
     AtomicCheckpointIO,
     AtomicSaveConfigCallback,
@@ -63,9 +64,13 @@ def test_a_failing_save_keeps_the_old_file_and_removes_its_temporary(tmp_path, m
 
 
 def test_temporaries_of_killed_writers_are_cleaned_and_nothing_else(tmp_path):
-    stale = tmp_path / f".last.ckpt.lit_smd-tmp-{dead_pid()}-0123abcd"
+    stale = tmp_path / f".last.ckpt.lit_smd-tmp-{HOST}-{dead_pid()}-0123abcd"
     live = atomic.temp_name(tmp_path / "epoch=0-step=2.ckpt")  # this process: a save in progress
-    others = [tmp_path / ".last.ckpt.tmp", tmp_path / "notes.txt", tmp_path / f".x.lit_smd-tmp-{dead_pid()}-zz"]
+    other_host = "000000" if HOST != "000000" else "111111"  # a machine sharing the folder
+    others = [
+        tmp_path / ".last.ckpt.tmp", tmp_path / "notes.txt", tmp_path / f".x.lit_smd-tmp-{HOST}-{dead_pid()}-zz",
+        tmp_path / f".last.ckpt.lit_smd-tmp-{other_host}-{dead_pid()}-0123abcd",
+    ]  # fmt: skip
     for path in (stale, live, *others):
         path.write_bytes(b"partial")
     AtomicCheckpointIO().save_checkpoint({"step": 1}, tmp_path / "last.ckpt")

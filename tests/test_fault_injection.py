@@ -50,7 +50,7 @@ from lit_smd.modules import SFTModule
 from lit_smd.tasks import arithmetic, key_value_retrieval
 
 ROOT = Path(__file__).resolve().parents[1]
-OURS = re.compile(r"\.lit_smd-[a-z]+-\d+-[0-9a-f]{8}$")  # lit_smd.atomic.temp_name
+OURS = re.compile(r"\.lit_smd-[a-z]+-[0-9a-f]{6}-\d+-[0-9a-f]{8}$")  # lit_smd.atomic.temp_name
 
 
 # ------------------------------------------------------------------------------------------------ kill harness
@@ -281,7 +281,8 @@ def other_filesystem(folder: Path) -> Path | None:
 
 
 def run_suite(root: Path, kills: dict[str, int], seed: int = 0, io_kind: str = "atomic") -> dict[str, list]:
-    """Kill each workload ``kills[name]`` times; ``{name: [problems per kill]}``."""
+    """Kill each workload ``kills[name]`` times; ``{name: [(problems, landed mid-write), ...]}`` (mid-write: the kill
+    left a temporary behind, i.e. it hit a write in progress)."""
     rng = random.Random(seed)
     results: dict[str, list] = {}
     for name, count in kills.items():
@@ -296,11 +297,13 @@ def run_suite(root: Path, kills: dict[str, int], seed: int = 0, io_kind: str = "
                     continue
                 tmpdir.mkdir(exist_ok=True)
                 kill_during(save_work, (folder, progress, tmpdir, io_kind, 1 << 20), rng.uniform(0.05, 1.5))
-                results[name].append(check_save(folder, progress, tmpdir))
+                mid = bool(leftovers(folder) or any(tmpdir.iterdir()))
+                results[name].append((check_save(folder, progress, tmpdir), mid))
                 shutil.rmtree(tmpdir, ignore_errors=True)
             elif name == "fit":
                 kill_during(fit_work, (folder,), rng.uniform(0.0, 3.0))
-                results[name].append(check_fit(folder))
+                mid = bool(leftovers(folder))
+                results[name].append((check_fit(folder), mid))
             elif name.startswith("cache"):
                 output = folder / "cache"
                 tokenizer = build_tiny_tokenizer()
@@ -308,25 +311,31 @@ def run_suite(root: Path, kills: dict[str, int], seed: int = 0, io_kind: str = "
                                     str(output), top_k=4, max_new_tokens=3)  # fmt: skip
                 swap = {"cache": "exchange", "cache-two-renames": "two-renames", "cache-mid-swap": "mid-swap"}[name]
                 kill_during(cache_work, (output, progress, swap), rng.uniform(0.0, 0.5 if swap == "mid-swap" else 2.0))
-                results[name].append(check_cache(output, progress))
+                mid = bool(leftovers(folder))
+                results[name].append((check_cache(output, progress), mid))
             elif name == "export":
                 kill_during(export_work, (folder / "policy", progress), rng.uniform(0.0, 1.5))
-                results[name].append(check_export(folder / "policy", progress))
+                mid = bool(leftovers(folder))
+                results[name].append((check_export(folder / "policy", progress), mid))
             shutil.rmtree(folder, ignore_errors=True)
     return results
 
 
 def summary(results: dict[str, list]) -> str:
-    kills = sum(len(v) for v in results.values())
-    survived = sum(not problems for v in results.values() for problems in v)
-    lost = sum(len(problems) for v in results.values() for problems in v)
+    outcomes = [outcome for v in results.values() for outcome in v]
+    survived = sum(not problems for problems, _ in outcomes)
+    lost = sum(len(problems) for problems, _ in outcomes)
+    mid = sum(landed for _, landed in outcomes)
     parts = ", ".join(f"{name} {len(v)}" for name, v in results.items())
-    return f"fault injection: {kills} kills, {survived} survived, {lost} data lost ({parts})"
+    return (
+        f"fault injection: {len(outcomes)} kills, {survived} survived, {lost} data lost ({parts}); {mid} kills landed "
+        "mid-write (left a temporary behind)"
+    )
 
 
 def check(results: dict[str, list]) -> None:
     print("\n" + summary(results))
-    failures = {name: [p for p in v if p] for name, v in results.items() if any(v)}
+    failures = {name: [p for p, _ in v if p] for name, v in results.items() if any(p for p, _ in v)}
     assert not failures, failures
 
 
@@ -402,6 +411,6 @@ if __name__ == "__main__":
         outcome = run_suite(Path(directory), plan, seed=options.seed, io_kind=options.io)
     print(summary(outcome))
     for name, problems in outcome.items():
-        for index, found in enumerate(problems):
+        for index, (found, _) in enumerate(problems):
             if found:
                 print(f"  {name} kill {index}: {found}")

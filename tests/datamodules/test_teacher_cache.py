@@ -13,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from lit_smd.atomic import HOST
 from lit_smd.cli import main
 from lit_smd.datamodules import (
     DistillDataModule,
@@ -268,13 +269,13 @@ def test_a_build_killed_mid_swap_is_repaired_by_the_next_load(copy_of, tokenizer
     path = copy_of()
     original = files_of(path)
     pid = dead_pid()
-    path.rename(path.parent / f".copy.lit_smd-old-{pid}-0123abcd")
-    (path.parent / f".copy.lit_smd-building-{pid}-89abcdef").mkdir()  # the new cache, killed before it moved
-    (path.parent / f".copy.lit_smd-staging-{pid}-00000000").mkdir()
+    path.rename(path.parent / f".copy.lit_smd-old-{HOST}-{pid}-0123abcd")
+    (path.parent / f".copy.lit_smd-building-{HOST}-{pid}-89abcdef").mkdir()  # the new cache, killed before it moved
+    (path.parent / f".copy.lit_smd-staging-{HOST}-{pid}-00000000").mkdir()
     kept = [
-        path.parent / f".copy.lit_smd-staging-{os.getpid()}-11111111",  # a live build (this process)
+        path.parent / f".copy.lit_smd-staging-{HOST}-{os.getpid()}-11111111",  # a live build (this process)
         path.parent / ".copy.staging-12345678",  # not a name we make
-        path.parent / f".other.lit_smd-staging-{pid}-22222222",  # another cache's
+        path.parent / f".other.lit_smd-staging-{HOST}-{pid}-22222222",  # another cache's
     ]
     for folder in kept:
         folder.mkdir()
