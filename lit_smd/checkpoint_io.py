@@ -15,8 +15,8 @@ closest). Any other name is never substituted.
 
 `AtomicSaveConfigCallback` writes LightningCLI's ``config.yaml`` the same way (it was once left at 0 bytes).
 
-Both are the defaults of ``lit-smd`` (`lit_smd.cli.LitSmdCLI`) and are listed in every config; in plain Python:
-``Trainer(plugins=[AtomicCheckpointIO()])``.
+Both are the defaults of ``lit-smd`` (`lit_smd.cli.LitSmdCLI`), and every run config lists the plugin; in plain
+Python: ``Trainer(plugins=[AtomicCheckpointIO()])``.
 """
 
 from __future__ import annotations
