@@ -94,8 +94,11 @@ def clean_stale(directory: Path, final_name: str | None = None, kinds: tuple[str
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
-            with contextlib.suppress(FileNotFoundError):
+            with contextlib.suppress(FileNotFoundError, PermissionError):
                 path.unlink()
+        if path.exists() or path.is_symlink():
+            logger.warning("could not remove %s, left behind by an interrupted write", path)
+            continue
         logger.warning("removed %s, left behind by an interrupted write", path)
         removed.append(path)
     return removed
