@@ -358,22 +358,31 @@ def test_fault_injection_full(tmp_path):
     check(run_suite(tmp_path, SLOW, seed=1))
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("delay", [4.0, 9.0])
-def test_cli_fit_killed_and_resumed(tmp_path, delay):
-    """``lit-smd fit`` (SFT quickstart config, tiny run) killed with SIGKILL, then resumed from its last.ckpt."""
-    overlay = tmp_path / "checkpoint_every_step.yaml"
+def cli_args(tmp_path: Path, fallback: bool = False) -> list[str]:
+    """``lit-smd fit`` on the SFT quickstart config, tiny: a checkpoint every step, no validation."""
+    overlay = tmp_path / f"checkpoint_every_step_{fallback}.yaml"
+    plugin = (
+        "  plugins:\n    - class_path: lit_smd.checkpoint_io.AtomicCheckpointIO\n"
+        "      init_args: {fallback_to_readable: true}\n"
+    )
     overlay.write_text(
         "trainer:\n  callbacks:\n    - class_path: lightning.pytorch.callbacks.ModelCheckpoint\n      init_args: "
-        "{save_last: true, every_n_train_steps: 1, enable_version_counter: false}\n"
+        "{save_last: true, every_n_train_steps: 1, enable_version_counter: false}\n" + (plugin if fallback else "")
     )
-    args = [
+    return [
         sys.executable, "-m", "lit_smd", "fit", "--config", str(ROOT / "configs/sft/quickstart_warmup.yaml"),
         "--config", str(overlay), "--trainer.logger.init_args.save_dir", str(tmp_path / "runs"),
         "--trainer.enable_progress_bar", "false", "--model.init_args.export_dir", str(tmp_path / "export"),
         "--data.init_args.dataset_kwargs", '{"size": 256, "num_pairs": 4, "max_value": 9, "style": "compact", '
         '"num_queries": 4, "seed": 1}', "--data.init_args.batch_size", "8", "--trainer.val_check_interval", "1000",
     ]  # fmt: skip
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("delay", [4.0, 9.0])
+def test_cli_fit_killed_and_resumed(tmp_path, delay):
+    """``lit-smd fit`` (SFT quickstart config, tiny run) killed with SIGKILL, then resumed from its last.ckpt."""
+    args = cli_args(tmp_path)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     process = subprocess.Popen([*args, "--trainer.max_steps", "100000"], env=env, stdout=subprocess.DEVNULL,
                                stderr=subprocess.DEVNULL)  # fmt: skip
@@ -396,6 +405,30 @@ def test_cli_fit_killed_and_resumed(tmp_path, delay):
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     assert not leftovers(version / "checkpoints")
     print(f"\nfault injection: lit-smd fit killed at step {step}, resumed to {step + 2}")
+
+
+@pytest.mark.slow
+def test_cli_names_a_truncated_last_ckpt_or_falls_back_when_allowed(tmp_path):
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    first = subprocess.run([*cli_args(tmp_path), "--trainer.max_steps", "3"], env=env, capture_output=True, text=True)
+    assert first.returncode == 0, first.stderr[-3000:]
+    checkpoints = tmp_path / "runs" / "quickstart-sft" / "version_0" / "checkpoints"
+    last = checkpoints / "last.ckpt"
+    last.write_bytes(last.read_bytes()[: last.stat().st_size // 2])
+    refused = subprocess.run([*cli_args(tmp_path), "--trainer.max_steps", "5", "--ckpt_path", str(last)], env=env,
+                             capture_output=True, text=True)  # fmt: skip
+    assert refused.returncode != 0
+    assert re.search(r"CheckpointReadError: checkpoint .*last\.ckpt \(\d+ bytes\) is truncated.*newest readable "
+                     r"checkpoint in .* is .*epoch=0-step=3\.ckpt", refused.stderr), refused.stderr[-3000:]  # fmt: skip
+    allowed = subprocess.run(
+        [*cli_args(tmp_path, fallback=True), "--trainer.max_steps", "5", "--ckpt_path", str(last)], env=env,
+        capture_output=True, text=True,
+    )  # fmt: skip
+    assert allowed.returncode == 0, allowed.stderr[-3000:]
+    assert "loading the newest readable checkpoint of its folder" in allowed.stderr
+    newest = max((tmp_path / "runs" / "quickstart-sft").glob("version_*"), key=lambda p: int(p.name.split("_")[1]))
+    assert newest.name != "version_0"
+    assert torch.load(newest / "checkpoints" / "last.ckpt", weights_only=False)["global_step"] == 5
 
 
 if __name__ == "__main__":
