@@ -22,6 +22,12 @@ from jsonargparse import ActionConfigFile, ArgumentParser
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
+from lit_smd.checkpoint_io import (
+    AtomicCheckpointIO,
+    AtomicSaveConfigCallback,
+    checked_checkpoint_path,
+    fallback_requested,
+)
 from lit_smd.datamodules.teacher_cache import CacheMetadata
 from lit_smd.datamodules.teacher_cache_build import build_teacher_cache
 
@@ -30,6 +36,20 @@ __all__ = ["LitSmdCLI", "cache_teacher", "console_main", "main"]
 
 class LitSmdCLI(LightningCLI):
     """LightningCLI with lit_smd's defaults: subclass mode for model and data, config saved with overwrite."""
+
+    def _parse_ckpt_path(self) -> None:
+        """Name a truncated ``--ckpt_path`` (or use the newest readable one, when the config's AtomicCheckpointIO
+        allows it) before Lightning reads its hyperparameters (`lit_smd.checkpoint_io.checked_checkpoint_path`)."""
+        config = self.config.get(self.config.get("subcommand") or "", None)
+        if config is not None and config.get("ckpt_path"):
+            fallback = fallback_requested(config.get("trainer", {}).get("plugins"))
+            config.ckpt_path = str(checked_checkpoint_path(config.ckpt_path, fallback))
+        super()._parse_ckpt_path()
+
+
+# Crash-safe writes (lit_smd.checkpoint_io): checkpoints through AtomicCheckpointIO unless a config lists its own
+# trainer.plugins, and config.yaml through AtomicSaveConfigCallback.
+_TRAINER_DEFAULTS = {"plugins": [{"class_path": f"{AtomicCheckpointIO.__module__}.AtomicCheckpointIO"}]}
 
 
 def main(args: ArgsType = None, run: bool = True) -> LitSmdCLI | CacheMetadata:
@@ -51,7 +71,9 @@ def main(args: ArgsType = None, run: bool = True) -> LitSmdCLI | CacheMetadata:
         LightningDataModule,
         subclass_mode_model=True,
         subclass_mode_data=True,
+        save_config_callback=AtomicSaveConfigCallback,
         save_config_kwargs={"overwrite": True},
+        trainer_defaults=_TRAINER_DEFAULTS,
         args=args,
         run=run,
     )

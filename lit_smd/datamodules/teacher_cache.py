@@ -16,9 +16,13 @@ Format (a `datasets` Arrow dataset written with ``save_to_disk``, plus ``metadat
     DataModule's settings, token counts, and the size and SHA-256 of every file.
 
 Safety
-    Loading checks everything before training: metadata format, file sizes (truncation), checksums (corruption), row
-    and token counts, the tokenizer fingerprint against the student's tokenizer; the module then checks the vocabulary
-    size, k and temperature (`lit_smd.modules.DistillModule.check_cache`). Loading never writes.
+    Loading checks everything before training: metadata format; that every file of the folder is listed in
+    ``metadata.json`` under a plain name inside the folder (no absolute path, no ``..``, no subfolder, no symbolic
+    link), with the Arrow files named by ``state.json`` among them (a file on disk that is not listed, or a
+    ``state.json`` that points elsewhere, is refused); file sizes (truncation), checksums (corruption), row and token
+    counts, the tokenizer fingerprint against the student's tokenizer; the module then checks the vocabulary size, k
+    and temperature (`lit_smd.modules.DistillModule.check_cache`). Loading writes only to finish a build that was
+    killed while swapping an old cache for a new one (`recover_interrupted_build`).
 
 Departures
     Log-probs are stored in float16, not bfloat16: over the range of log-probs (``[-65504, 0]``) float16 keeps 3 more
@@ -27,6 +31,7 @@ Departures
 
 import hashlib
 import json
+import logging
 import math
 import os
 from collections.abc import Sequence
@@ -42,6 +47,7 @@ from datasets import Dataset, Features, List, Value, load_from_disk
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from lit_smd.atomic import clean_stale, is_stale
 from lit_smd.datamodules.distill import PromptBatch, left_pad
 from lit_smd.datamodules.resume import ResumableDataLoader, ResumableDataModule
 from lit_smd.models import load_tokenizer
@@ -53,12 +59,17 @@ __all__ = [
     "TeacherCacheDataModule",
     "TeacherCacheError",
     "load_teacher_cache",
+    "recover_interrupted_build",
     "tokenizer_fingerprint",
 ]
+
+logger = logging.getLogger(__name__)
 
 FORMAT = "lit_smd.teacher_cache"
 VERSION = 1
 METADATA_FILE = "metadata.json"
+STATE_FILE = "state.json"  # written by `datasets.Dataset.save_to_disk`: names the Arrow files
+BUILD_KINDS = ("staging", "building", "old")  # the temporary folders of a build (`lit_smd.atomic.temp_name` kinds)
 FEATURES = Features(
     {
         "prompt_index": Value("int32"),
@@ -233,9 +244,11 @@ def load_teacher_cache(
         The dataset (memory-mapped, read-only use) and its metadata.
 
     Raises:
-        TeacherCacheError: Missing, incomplete, truncated or corrupt cache, or a tokenizer mismatch.
+        TeacherCacheError: Missing, incomplete, truncated or corrupt cache, files not listed or outside the folder,
+            or a tokenizer mismatch.
     """
     path = Path(path)
+    recover_interrupted_build(path)
     if not path.is_dir():
         raise TeacherCacheError(f"teacher cache {path} does not exist; build it with `lit-smd cache-teacher`")
     metadata = CacheMetadata.read(path)
@@ -245,17 +258,7 @@ def load_teacher_cache(
             f"vocab size {metadata.vocab_size}) than the `tokenizer` given ({type(tokenizer).__name__} with "
             f"{len(tokenizer)} tokens); distil with the tokenizer the cache was built with, or rebuild the cache"
         )
-    for name, entry in metadata.files.items():
-        file = path / name
-        size = file.stat().st_size if file.is_file() else None
-        if size != entry["bytes"]:
-            found = "missing" if size is None else f"{size} bytes"
-            raise TeacherCacheError(
-                f"teacher cache {path} is truncated or corrupt: {name} is {found}, {METADATA_FILE} says "
-                f"{entry['bytes']} bytes; rebuild the cache"
-            )
-        if verify_checksums and file_sha256(file) != entry["sha256"]:
-            raise TeacherCacheError(f"teacher cache {path} is corrupt: {name} fails its SHA-256 check; rebuild it")
+    check_cache_files(path, metadata, verify_checksums)
     try:
         dataset = load_from_disk(str(path))
     except Exception as error:  # noqa: BLE001  (pyarrow / datasets raise many types for a damaged file)
@@ -276,6 +279,91 @@ def load_teacher_cache(
             f"{METADATA_FILE} says top_k={metadata.top_k}; rebuild it"
         )
     return dataset, metadata
+
+
+def _is_plain_name(name: str) -> bool:
+    """A file name directly inside a folder: no separator, not absolute, not ``.`` / ``..``."""
+    return (
+        isinstance(name, str)
+        and name not in ("", ".", "..")
+        and "/" not in name
+        and "\\" not in name
+        and "\0" not in name
+        and not os.path.isabs(name)
+    )
+
+
+def check_cache_files(path: Path, metadata: CacheMetadata, verify_checksums: bool = True) -> None:
+    """Check that the cache folder holds exactly the files ``metadata`` lists, whole, and nothing points outside it.
+
+    Every entry of ``path`` but ``metadata.json`` must be listed in ``metadata.files`` under a plain name (see the
+    module docstring), be a regular file (not a symbolic link or folder) of the listed size and, with
+    ``verify_checksums``, SHA-256; ``state.json`` must be listed and name only listed files.
+
+    Raises:
+        TeacherCacheError: The first problem found, naming the file.
+    """
+    for name in metadata.files:
+        if not _is_plain_name(name):
+            raise TeacherCacheError(
+                f"teacher cache {path}: {METADATA_FILE} lists the file {name!r}, which is not a plain name inside the "
+                "cache folder (absolute paths, '..' and subfolders are refused); rebuild the cache"
+            )
+    for entry in sorted(path.iterdir()):
+        if entry.name != METADATA_FILE and entry.name not in metadata.files:
+            raise TeacherCacheError(
+                f"teacher cache {path} holds {entry.name}, which {METADATA_FILE} does not list: a cache holds only "
+                "the files it lists, each checked by size and SHA-256; remove it or rebuild the cache"
+            )
+        if entry.is_symlink() or not entry.is_file():
+            kind = "a symbolic link" if entry.is_symlink() else "not a regular file"
+            raise TeacherCacheError(
+                f"teacher cache {path}: {entry.name} is {kind}; a cache holds its own files only; rebuild the cache"
+            )
+    if STATE_FILE not in metadata.files:
+        raise TeacherCacheError(f"teacher cache {path}: {METADATA_FILE} does not list {STATE_FILE}; rebuild the cache")
+    for name, entry in metadata.files.items():
+        file = path / name
+        size = file.stat().st_size if file.is_file() else None
+        if size != entry["bytes"]:
+            found = "missing" if size is None else f"{size} bytes"
+            raise TeacherCacheError(
+                f"teacher cache {path} is truncated or corrupt: {name} is {found}, {METADATA_FILE} says "
+                f"{entry['bytes']} bytes; rebuild the cache"
+            )
+        if verify_checksums and file_sha256(file) != entry["sha256"]:
+            raise TeacherCacheError(f"teacher cache {path} is corrupt: {name} fails its SHA-256 check; rebuild it")
+    try:
+        data_files = [item["filename"] for item in json.loads((path / STATE_FILE).read_text())["_data_files"]]
+    except (json.JSONDecodeError, KeyError, TypeError) as error:
+        raise TeacherCacheError(f"teacher cache {path}: {STATE_FILE} is corrupt ({error!r}); rebuild it") from error
+    outside = [name for name in data_files if not _is_plain_name(name) or name not in metadata.files]
+    if outside or not data_files:
+        raise TeacherCacheError(
+            f"teacher cache {path}: {STATE_FILE} names the data files {data_files}, but only files listed in "
+            f"{METADATA_FILE} inside the cache folder are read ({outside or 'none named'} refused); rebuild the cache"
+        )
+
+
+def recover_interrupted_build(path: Path) -> None:
+    """Finish what a killed `build_teacher_cache` left next to ``path``: restore the old cache, drop temporaries.
+
+    A build swaps a new cache in with one atomic exchange where the OS allows it (Linux), otherwise with two renames
+    (old cache aside to ``.<name>.lit_smd-old-<pid>-<hex>``, new one into place): a build killed between them leaves
+    no cache at ``path``; the set-aside cache is renamed back here. Then the staging / building / set-aside folders of
+    builds whose process is gone are removed (names made by `lit_smd.atomic.temp_name` for ``path`` only).
+    """
+    parent = path.parent
+    if not parent.is_dir():
+        return
+    stale = [p for p in sorted(parent.iterdir()) if p.is_dir() and is_stale(p, path.name, BUILD_KINDS)]
+    if not path.exists() and not path.is_symlink():
+        aside = [p for p in stale if ".lit_smd-old-" in p.name]
+        if aside:
+            newest = max(aside, key=lambda p: p.stat().st_mtime)
+            os.replace(newest, path)
+            logger.warning("teacher cache %s: restored the old cache that an interrupted build had set aside", path)
+    clean_stale(parent, path.name, BUILD_KINDS)
 
 
 class TeacherCacheDataModule(ResumableDataModule):

@@ -9,9 +9,14 @@ Algorithm
     from the result are in `lit_smd.datamodules.teacher_cache`.
 
 Safety
-    A cache is built in a temporary sibling folder and moved into place only when complete, so an interrupted or failed
-    build leaves nothing behind and never touches an existing cache; replacing one needs ``overwrite=True`` (and only a
-    lit_smd cache or an empty folder is ever replaced).
+    A cache is built in temporary sibling folders (``.<name>.lit_smd-staging-*``, ``.<name>.lit_smd-building-*``),
+    fsync'ed, and moved into place only when complete, so a failed build leaves nothing behind and never touches an
+    existing cache. Replacing one needs ``overwrite=True``, and only an empty folder or a folder whose
+    ``metadata.json`` parses as a lit_smd teacher cache and which holds nothing but the files it lists is replaced. The
+    swap is one atomic ``renameat2(RENAME_EXCHANGE)`` on Linux, so ``output_dir`` always holds the old or the new
+    cache; elsewhere it is two renames, and a build killed between them is repaired by the next build or load
+    (`lit_smd.datamodules.teacher_cache.recover_interrupted_build`), which also removes the temporary folders of
+    killed builds (only ours: names with the build's process id, of processes that are gone).
 
 Departures
     - DistillKit's polynomial tail compression is not implemented: plain top-k only.
@@ -25,7 +30,6 @@ import logging
 import math
 import os
 import shutil
-import uuid
 from dataclasses import asdict
 from datetime import datetime, timezone
 from pathlib import Path
@@ -41,8 +45,17 @@ from datasets.arrow_writer import ArrowWriter
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from lit_smd.atomic import atomic_write_text, exchange, fsync_dir, fsync_tree, staging_dir, temp_name
 from lit_smd.datamodules.distill import DistillDataModule
-from lit_smd.datamodules.teacher_cache import FEATURES, METADATA_FILE, CacheMetadata, file_sha256, tokenizer_fingerprint
+from lit_smd.datamodules.teacher_cache import (
+    FEATURES,
+    METADATA_FILE,
+    CacheMetadata,
+    TeacherCacheError,
+    file_sha256,
+    recover_interrupted_build,
+    tokenizer_fingerprint,
+)
 from lit_smd.models import Quantization, check_pretrained_source, load_causal_lm
 from lit_smd.rollout import Rollout, completion_hidden_states, generate
 
@@ -136,6 +149,7 @@ def build_teacher_cache(
         ValueError: Invalid settings (``top_k`` outside ``[1, V]``, ``temperature <= 0``, ...).
     """
     target = Path(output_dir)
+    recover_interrupted_build(target)
     _check_target(target, overwrite)
     for name, value in (("max_new_tokens", max_new_tokens), ("num_samples", num_samples), ("chunk_size", chunk_size)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
@@ -158,31 +172,18 @@ def build_teacher_cache(
             f"the tokenizer of `data` has {len(data.tokenizer)} tokens but the teacher only {vocab_size} output ids: "
             "teacher and tokenizer do not belong together"
         )
-    model_device = next(model.parameters()).device
     configured = getattr(model.generation_config, "eos_token_id", None)
     configured = configured if isinstance(configured, list) else [configured]
     data.setup()
     eos_ids = sorted({*data.eos_token_ids, *(i for i in configured if i is not None)})
-    generator = torch.Generator(device=model_device).manual_seed(seed)
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
 
-    staging = target.parent / f".{target.name}.staging-{uuid.uuid4().hex[:8]}"
-    building = target.parent / f".{target.name}.building-{uuid.uuid4().hex[:8]}"
+    target.parent.mkdir(parents=True, exist_ok=True)
+    building = temp_name(target, "building")
     try:
-        staging.mkdir(parents=True)
-        num_tokens = 0
-        with ArrowWriter(features=FEATURES, path=str(staging / "data.arrow")) as writer:
-            for batch in data.prompt_batches(batch_size):
-                batch = batch.to(model_device)
-                rollout = generate(
-                    model, batch.prompt_ids, batch.prompt_mask, max_new_tokens=max_new_tokens,
-                    temperature=temperature, top_p=top_p, num_samples=num_samples, eos_token_id=eos_ids,
-                    pad_token_id=batch.pad_token_id, generator=generator,
-                )  # fmt: skip
-                ids, logprobs = teacher_topk_logprobs(model, rollout, top_k, temperature, chunk_size)
-                writer.write_table(_rows_table(rollout, ids, logprobs, batch.prompt_index, num_samples))
-                num_tokens += int(rollout.completion_mask.sum())
-            writer.finalize()
-        Dataset.from_file(str(staging / "data.arrow")).save_to_disk(str(building))
+        with staging_dir(target) as staging:
+            num_tokens = _write_rows(model, data, staging, building, batch_size, max_new_tokens, temperature, top_p,
+                                     num_samples, eos_ids, generator, top_k, chunk_size)  # fmt: skip
         files = {
             path.name: {"bytes": path.stat().st_size, "sha256": file_sha256(path)}
             for path in sorted(building.iterdir())
@@ -211,10 +212,11 @@ def build_teacher_cache(
                 "torch": torch.__version__, "transformers": transformers.__version__, "lit_smd": _package_version()
             },
         )
-        (building / METADATA_FILE).write_text(json.dumps(asdict(metadata), indent=2))
+        atomic_write_text(building / METADATA_FILE, json.dumps(asdict(metadata), indent=2))
+        fsync_tree(building)
+        _check_target(target, overwrite)  # again: the folder may have changed during the build
         _move_into_place(building, target)
     finally:
-        shutil.rmtree(staging, ignore_errors=True)
         shutil.rmtree(building, ignore_errors=True)
     logger.info("teacher cache %s: %d trajectories, %.1f bytes/token", target, metadata.num_rows,
                 metadata.bytes_per_token)
@@ -250,32 +252,74 @@ def _rows_table(rollout: Rollout, ids: Tensor, logprobs: Tensor, prompt_index: T
     )
 
 
+def _write_rows(
+    model: PreTrainedModel, data: DistillDataModule, staging: Path, building: Path, batch_size: int | None,
+    max_new_tokens: int, temperature: float, top_p: float, num_samples: int, eos_ids: list[int],
+    generator: torch.Generator, top_k: int, chunk_size: int,
+) -> int:  # fmt: skip
+    """Sample and score every prompt batch into ``staging``, then save the dataset to ``building``; token count."""
+    device = next(model.parameters()).device
+    num_tokens = 0
+    with ArrowWriter(features=FEATURES, path=str(staging / "data.arrow")) as writer:
+        for batch in data.prompt_batches(batch_size):
+            batch = batch.to(device)
+            rollout = generate(
+                model, batch.prompt_ids, batch.prompt_mask, max_new_tokens=max_new_tokens, temperature=temperature,
+                top_p=top_p, num_samples=num_samples, eos_token_id=eos_ids, pad_token_id=batch.pad_token_id,
+                generator=generator,
+            )  # fmt: skip
+            ids, logprobs = teacher_topk_logprobs(model, rollout, top_k, temperature, chunk_size)
+            writer.write_table(_rows_table(rollout, ids, logprobs, batch.prompt_index, num_samples))
+            num_tokens += int(rollout.completion_mask.sum())
+        writer.finalize()
+    Dataset.from_file(str(staging / "data.arrow")).save_to_disk(str(building))
+    return num_tokens
+
+
 def _check_target(target: Path, overwrite: bool) -> None:
-    if not target.exists():
+    """Refuse an ``output_dir`` that exists unless ``overwrite`` and it is an empty folder or a lit_smd cache."""
+    if not target.exists() and not target.is_symlink():
         return
     if not overwrite:
         raise FileExistsError(
             f"output_dir {target} already exists; pass overwrite=True to replace it (the old cache stays in place "
             "until the new one is complete)"
         )
-    if target.is_dir() and ((target / METADATA_FILE).is_file() or not any(target.iterdir())):
+    refusal = f"output_dir {target} exists and is not a lit_smd teacher cache: refusing to replace it"
+    if target.is_symlink() or not target.is_dir():
+        raise FileExistsError(f"{refusal} (it is {'a symbolic link' if target.is_symlink() else 'a file'})")
+    if not any(target.iterdir()):
         return
-    raise FileExistsError(f"output_dir {target} exists and is not a lit_smd teacher cache: refusing to replace it")
+    try:
+        metadata = CacheMetadata.read(target)
+    except TeacherCacheError as error:
+        raise FileExistsError(f"{refusal} ({error})") from error
+    unlisted = sorted(p.name for p in target.iterdir() if p.name != METADATA_FILE and p.name not in metadata.files)
+    if unlisted:
+        raise FileExistsError(
+            f"{refusal}: it holds {unlisted}, which its {METADATA_FILE} does not list (move them out first)"
+        )
 
 
 def _move_into_place(built: Path, target: Path) -> None:
-    """Rename ``built`` to ``target``; an existing ``target`` is removed only after the new one is in place."""
+    """Put ``built`` at ``target``; an existing ``target`` is removed only after the new one is in place.
+
+    One atomic exchange where the OS allows it; otherwise two renames (see the module docstring for the recovery).
+    """
     if not target.exists():
         os.replace(built, target)
-        return
-    old = target.parent / f".{target.name}.old-{uuid.uuid4().hex[:8]}"
-    os.replace(target, old)
-    try:
-        os.replace(built, target)
-    except OSError:
-        os.replace(old, target)
-        raise
-    shutil.rmtree(old, ignore_errors=True)
+    elif exchange(built, target):  # ``built`` now holds the old cache
+        shutil.rmtree(built)
+    else:
+        old = temp_name(target, "old")
+        os.replace(target, old)
+        try:
+            os.replace(built, target)
+        except OSError:
+            os.replace(old, target)
+            raise
+        shutil.rmtree(old)
+    fsync_dir(target.parent)
 
 
 def _describe(data: DistillDataModule) -> dict[str, Any]:

@@ -71,6 +71,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from lit_smd.atomic import publish_dir
 from lit_smd.callbacks.entropy_curriculum import ProbeStats
 from lit_smd.datamodules.distill import PromptBatch
 from lit_smd.datamodules.rollout import require_full_weights
@@ -461,18 +462,19 @@ class DistillModule(LightningModule):
         if tokenizer is not None and len(tokenizer) > vocab_size:
             raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than the student's {vocab_size} output ids")
         path = Path(directory)
-        save_pretrained_merged(self.student, path)
         if tokenizer is None:
             warnings.warn(f"the student is exported to {path} without a tokenizer", stacklevel=2)
-        else:
-            tokenizer.save_pretrained(path)
         provenance = {
             "teacher": self._teacher_source or getattr(self.teacher, "name_or_path", None),
             "global_step": self.global_step,
             "tokenizer_fingerprint": None if tokenizer is None else tokenizer_fingerprint(tokenizer),
             "hparams": {key: repr(value) for key, value in self.hparams.items()},
         }
-        (path / EXPORT_METADATA).write_text(json.dumps(provenance, indent=2))
+        with publish_dir(path) as staging:  # crash-safe: no file under `path` is ever partial
+            save_pretrained_merged(self.student, staging)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
+            (staging / EXPORT_METADATA).write_text(json.dumps(provenance, indent=2))
         return path
 
     # --------------------------------------------------------------------------------------------------- helpers

@@ -33,6 +33,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
+from lit_smd.atomic import publish_dir
 from lit_smd.datamodules.sft import IGNORE_INDEX
 from lit_smd.fsdp import fsdp_strategy, shard_model, unsharded_attribute
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
@@ -225,11 +226,12 @@ class SFTModule(LightningModule):
         if tokenizer is not None and len(tokenizer) > vocab_size:
             raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than the policy's {vocab_size} output ids")
         path = Path(directory)
-        self.policy.save_pretrained(path)
+        with publish_dir(path) as staging:  # crash-safe: no file under `path` is ever partial
+            self.policy.save_pretrained(staging)
+            if tokenizer is not None:
+                tokenizer.save_pretrained(staging)
         if tokenizer is None:
             warnings.warn(f"the policy is exported to {path} without a tokenizer", stacklevel=2)
-        else:
-            tokenizer.save_pretrained(path)
         return path
 
     def _prepare_policy(self) -> None:

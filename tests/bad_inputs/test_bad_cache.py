@@ -12,6 +12,7 @@ import pytest
 
 from lit_smd.cli import main
 from lit_smd.datamodules import DistillDataModule, TeacherCacheDataModule, TeacherCacheError, build_teacher_cache
+from lit_smd.datamodules.teacher_cache import file_sha256
 from lit_smd.models import build_tiny_model, build_tiny_tokenizer
 from lit_smd.modules import DistillModule
 from lit_smd.tasks import arithmetic
@@ -61,6 +62,38 @@ def truncate(path: Path) -> None:
     file.write_bytes(file.read_bytes()[: file.stat().st_size // 2])
 
 
+def list_a_file(name: str) -> Callable[[Path], None]:
+    """A ``metadata.json`` that also lists ``name`` (``{parent}``: the cache's parent folder) with the size and SHA-256
+    of a copy of the cache's Arrow file placed there (the trial's ``/etc/hostname`` entry, generalised)."""
+
+    def corrupt(path: Path) -> None:
+        source = data_file(path)
+        listed = name.format(parent=path.parent)
+        shutil.copyfile(source, path / listed)  # an absolute `listed` replaces `path`
+        entry = json.loads((path / "metadata.json").read_text())["files"][source.name]
+        edit_metadata(lambda m: m["files"].update({listed: entry}))(path)
+
+    return corrupt
+
+
+def point_state_outside(path: Path) -> None:
+    """``state.json`` names ``../elsewhere.arrow`` (a copy of the data), with its entry in metadata updated to match."""
+    source = data_file(path)
+    shutil.copyfile(source, path.parent / "elsewhere.arrow")
+    state = json.loads((path / "state.json").read_text())
+    state["_data_files"] = [{"filename": "../elsewhere.arrow"}]
+    (path / "state.json").write_text(json.dumps(state))
+    entry = {"bytes": (path / "state.json").stat().st_size, "sha256": file_sha256(path / "state.json")}
+    edit_metadata(lambda m: m["files"].update({"state.json": entry}))(path)
+
+
+def symlink_the_data_out(path: Path) -> None:
+    source = data_file(path)
+    outside = shutil.copyfile(source, path.parent / "outside.arrow")
+    source.unlink()
+    source.symlink_to(outside)
+
+
 def flip_a_byte(path: Path) -> None:
     file = data_file(path)
     data = bytearray(file.read_bytes())
@@ -89,6 +122,17 @@ CORRUPTIONS = [
      r"truncated or corrupt: data-.*\.arrow is \d+ bytes, metadata\.json says \d+ bytes; rebuild the cache"),
     ("flipped byte", flip_a_byte, r"is corrupt: data-.*\.arrow fails its SHA-256 check; rebuild it"),
     ("Arrow file missing", lambda p: data_file(p).unlink(), r"data-.*\.arrow is missing, metadata\.json says"),
+    ("metadata lists an absolute path", list_a_file("{parent}/absolute.arrow"),
+     r"lists the file '/.*/absolute\.arrow', which is not a plain name inside the cache folder"),
+    ("metadata lists a path with ..", list_a_file("../up.arrow"),
+     r"lists the file '\.\./up\.arrow', which is not a plain name .*'\.\.' and subfolders are refused"),
+    ("metadata lists no files", edit_metadata(lambda m: m.update(files={})),
+     r"holds data-.*\.arrow, which metadata\.json does not list: a cache holds only the files it lists"),
+    ("unlisted extra data file", lambda p: shutil.copyfile(data_file(p), p / "data-00001-of-00001.arrow"),
+     r"holds data-00001-of-00001\.arrow, which metadata\.json does not list"),
+    ("data file is a symlink out", symlink_the_data_out, r"data-.*\.arrow is a symbolic link; a cache holds its own"),
+    ("state.json points outside", point_state_outside,
+     r"state\.json names the data files \['\.\./elsewhere\.arrow'\], but only files listed in metadata\.json"),
 ]  # fmt: skip
 
 
@@ -156,6 +200,14 @@ BUILD_ERRORS = [
      ValueError, r"the tokenizer of `data` has 123 tokens but the teacher only 103 output ids"),
     ("overwrite a folder that is not a cache", {"overwrite": True}, "other", FileExistsError,
      r"output_dir .* exists and is not a lit_smd teacher cache: refusing to replace it"),
+    ("overwrite a folder whose metadata.json is not a cache's", {"overwrite": True}, "thesis", FileExistsError,
+     r"output_dir .*thesis exists and is not a lit_smd teacher cache: refusing to replace it \(.*metadata\.json is "
+     r"corrupt"),
+    ("overwrite a cache holding files it does not list", {"overwrite": True}, "cache+notes", FileExistsError,
+     r"not a lit_smd teacher cache: refusing to replace it: it holds \['notes\.txt'\], which its metadata\.json "
+     r"does not list"),
+    ("overwrite a symlink to a cache", {"overwrite": True}, "link", FileExistsError,
+     r"refusing to replace it \(it is a symbolic link\)"),
 ]  # fmt: skip
 
 
@@ -170,6 +222,17 @@ def test_a_failing_build_leaves_the_output_dir_as_it_was(
         output = tmp_path / "checkpoints"
         output.mkdir()
         (output / "last.ckpt").write_bytes(b"not a cache")
+    elif target == "thesis":  # the trial's case: a user's folder that happens to hold a metadata.json
+        output = tmp_path / "thesis"
+        (output / "sub").mkdir(parents=True)
+        (output / "thesis.tex").write_text("\\documentclass{article}")
+        (output / "sub" / "data.csv").write_text("a,b\n1,2\n")
+        (output / "metadata.json").write_text('{"title": "my thesis"}')
+    elif target == "cache+notes":
+        (output / "notes.txt").write_text("keep me")
+    elif target == "link":
+        output = tmp_path / "link"
+        output.symlink_to(cache_copy)
     extra = kwargs.pop("extra_tokens", 0)
     tokenizer = build_tiny_tokenizer(extra_tokens=[f"<extra_{i}>" for i in range(extra)])
     before = tree_digest(output)

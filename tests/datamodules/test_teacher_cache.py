@@ -2,7 +2,9 @@
 before training with errors naming the problem, and an existing cache on disk is never damaged."""
 
 import json
+import os
 import shutil
+import subprocess
 import sys
 from pathlib import Path
 
@@ -11,6 +13,7 @@ import pytest
 import torch
 import yaml
 
+from lit_smd.atomic import HOST
 from lit_smd.cli import main
 from lit_smd.datamodules import (
     DistillDataModule,
@@ -253,3 +256,51 @@ def test_cached_preset_trains_without_a_teacher(cache, tmp_path, monkeypatch):
     with pytest.warns(UserWarning, match="exceeds the cache's 8"):
         cli.trainer.fit(cli.model, cli.datamodule)
     assert cli.trainer.global_step == 1 and cli.model.teacher is None
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
+
+
+def test_a_build_killed_mid_swap_is_repaired_by_the_next_load(copy_of, tokenizer):
+    """The state a kill between the two renames of the fallback swap leaves: no cache, the old one set aside."""
+    path = copy_of()
+    original = files_of(path)
+    pid = dead_pid()
+    path.rename(path.parent / f".copy.lit_smd-old-{HOST}-{pid}-0123abcd")
+    (path.parent / f".copy.lit_smd-building-{HOST}-{pid}-89abcdef").mkdir()  # the new cache, killed before it moved
+    (path.parent / f".copy.lit_smd-staging-{HOST}-{pid}-00000000").mkdir()
+    kept = [
+        path.parent / f".copy.lit_smd-staging-{HOST}-{os.getpid()}-11111111",  # a live build (this process)
+        path.parent / ".copy.staging-12345678",  # not a name we make
+        path.parent / f".other.lit_smd-staging-{HOST}-{pid}-22222222",  # another cache's
+    ]
+    for folder in kept:
+        folder.mkdir()
+    load_teacher_cache(path, tokenizer)
+    assert files_of(path) == original
+    assert sorted(p.name for p in path.parent.iterdir()) == sorted(["copy", *(p.name for p in kept)])
+
+
+def test_overwrite_with_two_renames_where_no_atomic_exchange(copy_of, teacher, tokenizer, monkeypatch):
+    path = copy_of()
+    monkeypatch.setattr(teacher_cache_build, "exchange", lambda a, b: False)
+    replace, calls = os.replace, []
+
+    def fail_second_rename(src, dst):
+        calls.append((src, dst))
+        if len(calls) == 2:
+            raise OSError("rename failed")
+        replace(src, dst)
+
+    original = files_of(path)
+    monkeypatch.setattr(teacher_cache_build.os, "replace", fail_second_rename)
+    with pytest.raises(OSError, match="rename failed"):
+        build_teacher_cache(teacher, prompts(tokenizer), str(path), top_k=4, max_new_tokens=4, overwrite=True)
+    monkeypatch.setattr(teacher_cache_build.os, "replace", replace)
+    assert files_of(path) == original and sorted(p.name for p in path.parent.iterdir()) == ["copy"]
+    build_teacher_cache(teacher, prompts(tokenizer), str(path), top_k=4, max_new_tokens=4, overwrite=True)
+    assert load_teacher_cache(path, tokenizer)[1].top_k == 4
+    assert sorted(p.name for p in path.parent.iterdir()) == ["copy"]

@@ -1,0 +1,181 @@
+"""Crash-safe checkpoints and run configs: the `AtomicCheckpointIO` plugin and `AtomicSaveConfigCallback`.
+
+Lightning's default `TorchCheckpointIO` writes through an fsspec transaction whose temporary file lives in
+``$TMPDIR``; when that is another filesystem (a tmpfs, a node-local disk) the final "rename" is a copy, and a process
+killed during it leaves a truncated ``epoch=0-step=1.ckpt`` or ``last.ckpt`` under its final name, which every later
+``--ckpt_path`` then fails to read. `AtomicCheckpointIO` writes every checkpoint with `lit_smd.atomic.atomic_write`
+(temporary file in the checkpoint's own folder, fsync, ``os.replace``, fsync of the folder), so a checkpoint file
+is either complete or absent, whatever ``$TMPDIR`` is. Temporary files of killed saves are removed the next time a
+checkpoint is saved to or loaded from that folder (only names this plugin makes, of processes that are gone).
+
+Loading reports a truncated or unreadable checkpoint by name (`CheckpointReadError`) and names the newest readable
+checkpoint of the same folder; with ``fallback_to_readable=True`` a ``last*.ckpt`` that cannot be read is replaced by
+that newest readable checkpoint, with a warning (the user asked for the latest state; an older intact one is the
+closest). Any other name is never substituted.
+
+`AtomicSaveConfigCallback` writes LightningCLI's ``config.yaml`` the same way (it was once left at 0 bytes).
+
+Both are the defaults of ``lit-smd`` (`lit_smd.cli.LitSmdCLI`), and every run config lists the plugin; in plain
+Python: ``Trainer(plugins=[AtomicCheckpointIO()])``.
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+import zipfile
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.cli import SaveConfigCallback
+
+from lit_smd.atomic import atomic_write, atomic_write_text, clean_stale
+
+__all__ = [
+    "AtomicCheckpointIO",
+    "AtomicSaveConfigCallback",
+    "CheckpointReadError",
+    "checked_checkpoint_path",
+    "is_complete_checkpoint",
+]
+
+
+class CheckpointReadError(ValueError):
+    """A checkpoint file that is truncated or otherwise not a complete ``torch.save`` archive."""
+
+
+def is_complete_checkpoint(path: Path) -> bool:
+    """Whether ``path`` is a complete ``torch.save`` zip archive (its central directory, at the end, is readable).
+
+    A file cut short by a killed copy has no central directory, so this detects truncation without reading the
+    tensors; it does not verify the bytes of every tensor.
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            return any(name.endswith("data.pkl") for name in archive.namelist())
+    except (OSError, zipfile.BadZipFile, ValueError):
+        return False
+
+
+def _newest_readable(folder: Path, exclude: Path) -> Path | None:
+    candidates = [p for p in folder.glob("*.ckpt") if p.is_file() and p.resolve() != exclude.resolve()]
+    for candidate in sorted(candidates, key=lambda p: p.stat().st_mtime, reverse=True):
+        if is_complete_checkpoint(candidate):
+            return candidate
+    return None
+
+
+def checked_checkpoint_path(path: _PATH, fallback_to_readable: bool = False) -> Path:
+    """``path`` if it is not a truncated checkpoint (or does not exist); else the fallback or `CheckpointReadError`.
+
+    Args:
+        path: A local checkpoint file.
+        fallback_to_readable: For a ``last*.ckpt`` that is truncated, return the newest readable checkpoint of its
+            folder (with a warning) instead of raising.
+
+    Raises:
+        CheckpointReadError: ``path`` is truncated / not a checkpoint, naming the newest readable one if any.
+    """
+    file = Path(path)
+    if not file.is_file() or is_complete_checkpoint(file):
+        return file
+    readable = _newest_readable(file.parent, file)
+    problem = f"checkpoint {file} ({file.stat().st_size} bytes) is truncated or not a torch checkpoint"
+    if fallback_to_readable and file.name.startswith("last") and readable is not None:
+        warnings.warn(f"{problem}; loading the newest readable checkpoint of its folder, {readable}", stacklevel=2)
+        return readable
+    hint = (
+        f"the newest readable checkpoint in {file.parent} is {readable}: pass it as --ckpt_path"
+        if readable is not None
+        else f"no readable checkpoint is left in {file.parent}"
+    )
+    raise CheckpointReadError(f"{problem} (an interrupted copy or a crash during the save); {hint}")
+
+
+def fallback_requested(plugins: Any) -> bool:
+    """Whether a parsed ``trainer.plugins`` value (jsonargparse Namespaces / dicts / objects) holds an
+    `AtomicCheckpointIO` with ``fallback_to_readable=True``."""
+    for plugin in plugins if isinstance(plugins, list) else [plugins]:
+        if isinstance(plugin, AtomicCheckpointIO):
+            return plugin.fallback_to_readable
+        if hasattr(plugin, "get") and str(plugin.get("class_path", "")).endswith("AtomicCheckpointIO"):
+            init_args = plugin.get("init_args") or {}
+            return bool(init_args.get("fallback_to_readable", False))
+    return False
+
+
+class AtomicCheckpointIO(TorchCheckpointIO):
+    """`TorchCheckpointIO` whose local saves are atomic and whose loads name an unreadable file.
+
+    Remote paths (``s3://``, ...) go through Lightning's own code unchanged.
+
+    Args:
+        fallback_to_readable: When a ``last*.ckpt`` to load is truncated or unreadable, load the newest readable
+            checkpoint of its folder instead (with a warning naming both) rather than raise.
+    """
+
+    def __init__(self, fallback_to_readable: bool = False) -> None:
+        super().__init__()
+        self.fallback_to_readable = fallback_to_readable
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], path: _PATH, storage_options: Any | None = None) -> None:
+        """Write ``checkpoint`` to ``path`` atomically (temporary file in ``path``'s folder, fsync, rename)."""
+        if not _is_local_file_protocol(path):
+            super().save_checkpoint(checkpoint, path, storage_options)
+            return
+        if storage_options is not None:
+            raise TypeError(f"storage_options are not supported by {type(self).__name__}, got {storage_options!r}")
+        final = Path(path)
+        clean_stale(final.parent, kinds=("tmp",))
+        atomic_write(final, lambda file: torch.save(checkpoint, file))
+
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        map_location: Callable | None = lambda storage, loc: storage,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """Load ``path``; a truncated file raises `CheckpointReadError` naming it and the newest readable one.
+
+        Raises:
+            FileNotFoundError: No file at ``path``.
+            CheckpointReadError: ``path`` is truncated / not a checkpoint (and no fallback applies).
+        """
+        if not _is_local_file_protocol(path):
+            return super().load_checkpoint(path, map_location=map_location, weights_only=weights_only)
+        file = checked_checkpoint_path(path, self.fallback_to_readable)
+        clean_stale(file.parent, kinds=("tmp",))
+        return super().load_checkpoint(file, map_location=map_location, weights_only=weights_only)
+
+class AtomicSaveConfigCallback(SaveConfigCallback):
+    """LightningCLI's `SaveConfigCallback`, writing ``config.yaml`` atomically (`lit_smd.atomic.atomic_write_text`).
+
+    Multi-file configs (``multifile=True``) are left to Lightning.
+    """
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        if self.already_saved or self.multifile or not self.save_to_log_dir:
+            super().setup(trainer, pl_module, stage)
+            return
+        log_dir = trainer.log_dir  # broadcasts the directory
+        assert log_dir is not None
+        config_path = Path(log_dir) / self.config_filename
+        if not self.overwrite:
+            exists = trainer.strategy.broadcast(config_path.is_file() if trainer.is_global_zero else False)
+            if exists:
+                raise RuntimeError(
+                    f"{config_path} already exists: refusing to overwrite the config of a previous run (pass "
+                    'save_config_kwargs={"overwrite": True} to allow it)'
+                )
+        if trainer.is_global_zero:
+            os.makedirs(log_dir, exist_ok=True)
+            atomic_write_text(config_path, self.parser.dump(self.config, skip_none=False))
+            self.save_config(trainer, pl_module, stage)
+            self.already_saved = True
+        self.already_saved = trainer.strategy.broadcast(self.already_saved)
