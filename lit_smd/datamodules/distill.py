@@ -24,7 +24,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lit_smd.datamodules.resume import ResumableDataLoader, ResumableDataModule
 from lit_smd.models import load_tokenizer, single_token_id
-from lit_smd.tasks.datasets import prepare_prompts, resolve_dataset
+from lit_smd.tasks.datasets import check_text_column, prepare_prompts, resolve_dataset
 
 __all__ = ["DistillDataModule", "ProbeSource", "PromptBatch", "left_pad"]
 
@@ -156,6 +156,7 @@ class DistillDataModule(ResumableDataModule):
         raw = resolve_dataset(self.dataset, **self.dataset_kwargs)
         if "prompt" not in raw.column_names:
             raise ValueError(f"the prompt dataset needs a 'prompt' column, got columns {raw.column_names}")
+        check_text_column(raw, "prompt", "the prompt dataset")
         templated = self.use_chat_template and getattr(self.tokenizer, "chat_template", None) is not None
         prepared, too_long = prepare_prompts(
             raw, self.tokenizer, self.max_prompt_tokens, self.system_prompt, self.use_chat_template

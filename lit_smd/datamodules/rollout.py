@@ -66,7 +66,7 @@ from lit_smd.datamodules.resume import EpochPosition, ResumableDataModule
 from lit_smd.models import load_tokenizer, single_token_id
 from lit_smd.rewards.combine import RewardFn, WeightedRewards
 from lit_smd.rollout import Rollout, generate
-from lit_smd.tasks.datasets import prepare_prompts, resolve_dataset
+from lit_smd.tasks.datasets import check_text_column, prepare_prompts, resolve_dataset
 
 __all__ = ["ExperienceStream", "RolloutDataModule", "require_full_weights"]
 
@@ -223,6 +223,7 @@ class RolloutDataModule(ResumableDataModule):
         raw = resolve_dataset(self.dataset, **self.dataset_kwargs)
         if "prompt" not in raw.column_names:
             raise ValueError(f"the prompt dataset needs a 'prompt' column, got columns {raw.column_names}")
+        check_text_column(raw, "prompt", "the prompt dataset")
         prepared, too_long = prepare_prompts(
             raw, self.tokenizer, self.max_prompt_tokens, self.system_prompt, self.use_chat_template
         )
@@ -292,6 +293,7 @@ class RolloutDataModule(ResumableDataModule):
         raw = resolve_dataset(source, **kwargs)
         if "prompt" not in raw.column_names:
             raise ValueError(f"the {split}_dataset needs a 'prompt' column, got columns {raw.column_names}")
+        check_text_column(raw, "prompt", f"the {split}_dataset")
         prepared, _ = prepare_prompts(
             raw, self.tokenizer, self.max_prompt_tokens, self.system_prompt, self.use_chat_template
         )

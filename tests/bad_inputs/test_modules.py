@@ -5,7 +5,10 @@ Constructor errors are raised in ``__init__``, before any model is loaded (a pat
 tokenizer / vocabulary check runs in ``on_fit_start``, before the first rollout or step.
 """
 
+import json
 import math
+import shutil
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -14,7 +17,7 @@ from datasets import Dataset
 
 from lit_smd.datamodules import DistillDataModule, RolloutDataModule, SupervisedDataModule
 from lit_smd.kv import SnapKV
-from lit_smd.models import build_tiny_model, build_tiny_tokenizer
+from lit_smd.models import build_tiny_model, build_tiny_tokenizer, load_causal_lm, load_tokenizer
 from lit_smd.modules import DistillModule, GRPOModule, SFTModule
 from lit_smd.rollout import generate
 
@@ -88,6 +91,65 @@ def test_model_arguments_must_be_loadable(module, policy, pattern, tiny_policy):
         make = lambda: DistillModule(policy, tiny_policy)  # noqa: E731
     with pytest.raises(ValueError, match=pattern):
         make()
+
+
+def _damaged_copies(tiny_dir: Path, root: Path) -> dict[str, Path]:
+    """Copies of the tiny checkpoint, each broken in one way a copy or an export interrupted part-way leaves it."""
+    empty = root / "empty"
+    empty.mkdir()
+    no_weights = Path(shutil.copytree(tiny_dir, root / "no_weights"))
+    (no_weights / "model.safetensors").unlink()
+    truncated = Path(shutil.copytree(tiny_dir, root / "truncated"))
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    bad_config = Path(shutil.copytree(tiny_dir, root / "bad_config"))
+    (bad_config / "config.json").write_text('{"model_type": "qwen3", ')
+    sharded = Path(shutil.copytree(tiny_dir, root / "sharded"))
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return {
+        "file": tiny_dir / "model.safetensors", "empty": empty, "no_weights": no_weights, "truncated": truncated,
+        "bad_config": bad_config, "sharded": sharded,
+    }  # fmt: skip
+
+
+# (case, which damaged copy of `_damaged_copies`, regex): local folders that cannot load, named at construction.
+MODEL_FOLDER_ERRORS = [
+    ("a file, not a folder", "file",
+     r"policy='.*model\.safetensors' is a file; pass the folder written by save_pretrained that holds it"),
+    ("empty folder", "empty", r"policy='.*empty' has no config\.json, the model's config"),
+    ("no weights", "no_weights", r"policy='.*no_weights' has no weights: none of \['model\.safetensors', .*\]"),
+    ("truncated weights", "truncated",
+     r"policy: .*truncated/model\.safetensors is \d+ bytes but its header describes \d+ bytes: truncated or corrupt"),
+    ("truncated config", "bad_config", r"policy: .*bad_config/config\.json is not valid JSON"),
+    ("missing shard", "sharded",
+     r"model\.safetensors\.index\.json lists the weight shards \['model-00002-of-00002\.safetensors'\], missing"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "pattern"), [c[1:] for c in MODEL_FOLDER_ERRORS], ids=[c[0] for c in MODEL_FOLDER_ERRORS]
+)
+def test_a_damaged_policy_folder_is_named_before_loading(case, pattern, tiny_dir, tmp_path, tree_digest):
+    """Raised by the module's constructor and by `load_causal_lm` itself; the folders are only read."""
+    path = _damaged_copies(tiny_dir, tmp_path)[case]
+    before = tree_digest(tmp_path)
+    with pytest.raises(ValueError, match=pattern):
+        GRPOModule(str(path), mode="dense")
+    with pytest.raises(ValueError, match=pattern.replace("policy", "name_or_path", 1)):
+        load_causal_lm(str(path))
+    assert tree_digest(tmp_path) == before
+
+
+def test_a_tokenizer_folder_without_tokenizer_files_is_named(tiny_dir, tmp_path):
+    weights_only = Path(shutil.copytree(tiny_dir, tmp_path / "weights_only"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (weights_only / name).unlink()
+    with pytest.raises(ValueError, match=r"tokenizer='.*weights_only' is a folder without tokenizer files"):
+        load_tokenizer(str(weights_only))
+    with pytest.raises(ValueError, match=r"tokenizer='.*tokenizer\.json' is a file; pass the folder"):
+        load_tokenizer(str(tiny_dir / "tokenizer.json"))
 
 
 # (case, DistillModule keyword arguments besides student and teacher, regex)
