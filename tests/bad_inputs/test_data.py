@@ -208,6 +208,50 @@ def test_unusable_prompts_are_dropped_with_a_logged_count(tokenizer, tiny_policy
     assert "dropped 2 prompts shorter than the compressor's 8 tokens" in caplog.text
 
 
+# (case, the policy's max_position_embeddings, RolloutDataModule keyword arguments, regex): lengths the policy's
+# context or the free memory cannot hold, refused when the train stream is built, before the first rollout.
+ROLLOUT_LENGTH_ERRORS = [
+    ("max_new_tokens of 1e9", 4096, {"max_new_tokens": 10**9},
+     r"max_new_tokens=1000000000 leaves no room for a prompt in the policy's context of 4096 tokens "
+     r"\(max_position_embeddings\); set max_new_tokens < 4096"),
+    ("prompt and completion past the context", 4096, {"max_new_tokens": 4000, "max_prompt_tokens": 100},
+     r"max_prompt_tokens=100 \+ max_new_tokens=4000 = 4100 tokens exceed the policy's context of 4096 tokens"),
+    ("cache larger than the memory", 2**40, {"max_new_tokens": 10**9},
+     r"the rollout's KV cache alone needs 1907\.3 GiB for 4 sequences \(prompts_per_step \* num_generations\) of up "
+     r"to 8 prompt \+ max_new_tokens=1000000000 tokens, but only [\d.]+ GiB are free on cpu; lower max_new_tokens"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("context", "kwargs", "pattern"), [c[1:] for c in ROLLOUT_LENGTH_ERRORS], ids=[c[0] for c in ROLLOUT_LENGTH_ERRORS]
+)
+def test_rollout_lengths_are_checked_against_the_context_and_memory(context, kwargs, pattern, tokenizer):
+    """The 1907.3 GiB: 4 rows * 2 layers * 2 KV heads * (8 + 1e9) positions * (K + V) * 16 dims * 4 bytes."""
+    data = RolloutDataModule(PROMPTS, tokenizer, [zero_reward], prompts_per_step=2, num_generations=2,
+                             use_chat_template=False, **kwargs)  # fmt: skip
+    policy = build_tiny_model("qwen3", tokenizer=tokenizer, max_position_embeddings=context)
+    with pytest.raises(ValueError, match=pattern):
+        ExperienceStream(data, GRPOModule(policy, mode="dense"))
+
+
+def test_max_new_tokens_past_the_context_stops_fit_before_the_first_rollout(tmp_path, tokenizer, tree_digest):
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    (checkpoints / "last.ckpt").write_bytes(b"an earlier run's checkpoint")
+    before = tree_digest(checkpoints)
+    data = RolloutDataModule(PROMPTS, tokenizer, [zero_reward], prompts_per_step=2, num_generations=2,
+                             max_new_tokens=10**9, use_chat_template=False)  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=checkpoints, save_last=True, every_n_train_steps=1)],
+    )  # fmt: skip
+    policy = build_tiny_model("qwen3", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=r"max_new_tokens=1000000000 leaves no room for a prompt"):
+        trainer.fit(GRPOModule(policy, mode="dense"), data)
+    assert trainer.global_step == 0 and data.stream is None
+    assert tree_digest(checkpoints) == before
+
+
 # (case, DistillDataModule keyword arguments, method called, regex)
 DISTILL_DATA_ERRORS = [
     ("zero batch_size", {"batch_size": 0}, None, r"batch_size must be an integer >= 1, got 0"),
