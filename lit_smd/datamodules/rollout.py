@@ -236,7 +236,7 @@ class RolloutDataModule(ResumableDataModule):
         if too_long and not len(prepared):
             raise ValueError(
                 f"all {too_long} prompts are longer than max_prompt_tokens={self.max_prompt_tokens} tokens; raise "
-                "max_prompt_tokens (or None to keep every prompt)"
+                "max_prompt_tokens (or None for what the policy's context leaves after max_new_tokens)"
             )
         encoded = self.tokenizer(list(prepared["prompt"]), add_special_tokens=not self.templated)["input_ids"]
         keep = [index for index, ids in enumerate(encoded) if len(ids) > 0]
