@@ -4,11 +4,13 @@ Lightning alone acts on SIGTERM after the training batch in progress, and a GRPO
 take minutes; SIGINT (Ctrl+C) raises ``KeyboardInterrupt`` wherever Python is, possibly half-way through an optimizer
 step. `StopOnSignal` turns both signals into a request that is honoured at the first safe point:
 
-- during a rollout (the learner's ``"rollout"`` phase, `lit_smd.datamodules.experience.report_phase`): before the
-  policy's next forward, i.e. between two decode steps. The rollout batch is dropped; nothing was trained on it and
-  the data position has not moved, so a resumed run samples it again with the same per-step seed and continues as if
-  uninterrupted (``tests/callbacks/test_stop_on_signal.py`` compares the weights);
-- otherwise after the optimizer step in progress (``on_train_batch_end``, where ``ModelCheckpoint`` saves too).
+- during a rollout (the learner's ``"rollout"`` phase, `lit_smd.datamodules.experience.report_phase`) that does not
+  follow a batch whose gradients wait to be accumulated: before the policy's next forward, i.e. between two decode
+  steps. The rollout batch is dropped; nothing was trained on it and the data position has not moved, so a resumed
+  run samples it again with the same per-step seed and continues as if uninterrupted
+  (``tests/callbacks/test_stop_on_signal.py`` compares the weights);
+- otherwise after the optimizer step in progress (``on_train_batch_end`` of a batch that stepped, where
+  ``ModelCheckpoint`` saves too; with gradient accumulation, at the end of the accumulation).
 
 The run then ends with `StopRequested` (a ``SystemExit`` with the shell's ``128 + signal`` status) and, with
 ``save_checkpoint``, a checkpoint written through the trainer's checkpoint IO (``stopped.ckpt`` in the
@@ -59,6 +61,8 @@ class StopOnSignal(Callback):
         self.checkpoint_path: Path | None = None  # where the stop checkpoint was written
         self._previous: dict[int, Any] = {}
         self._in_rollout = False
+        self._stepping = False  # an optimizer step ran in the current training batch
+        self._accumulating = False  # the last training batch left gradients for the next one
         self._hook = None
         self._listener = None
 
@@ -79,7 +83,14 @@ class StopOnSignal(Callback):
         listeners.append(self._listener)
         self._hook = policy.register_forward_pre_hook(self._before_forward)
 
+    def on_before_optimizer_step(self, trainer: Trainer, pl_module: LightningModule, optimizer: Any) -> None:
+        self._stepping = True
+
     def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        self._accumulating = not self._stepping
+        if self._accumulating:  # a batch that only accumulated gradients: stopping would lose them
+            return
+        self._stepping = False
         requested = self.requested is not None
         if trainer.world_size > 1:
             requested = trainer.strategy.reduce_boolean_decision(requested, all=False)
@@ -133,8 +144,8 @@ class StopOnSignal(Callback):
     def _on_phase(self, name: str, started: bool) -> None:
         if name != "rollout":
             return
-        self._in_rollout = started
-        if started and self.requested is not None:
+        self._in_rollout = started and not self._accumulating  # mid-accumulation, the stop waits for the step
+        if self._in_rollout and self.requested is not None:
             raise self._stop("before a rollout")
 
     def _before_forward(self, module: Any, args: Any) -> None:
@@ -143,5 +154,6 @@ class StopOnSignal(Callback):
 
     def _stop(self, where: str) -> StopRequested:
         self._in_rollout = False
-        logger.warning("%s: stopped %s", signal.Signals(self.requested).name, where)
-        return StopRequested(128 + self.requested)
+        signum = self.requested or signal.SIGTERM  # None on a DDP rank that stops because another one was signalled
+        logger.warning("%s: stopped %s", signal.Signals(signum).name, where)
+        return StopRequested(128 + signum)

@@ -23,14 +23,14 @@ def length_reward(prompts, completions, **kwargs):
     return [float(len(c)) for c in completions]
 
 
-def _fit(tokenizer, callbacks=(), ckpt_path=None, max_steps=3):
+def _fit(tokenizer, callbacks=(), ckpt_path=None, max_steps=3, **trainer_kwargs):
     policy = build_tiny_model("qwen3", tokenizer=tokenizer, seed=1)
     module = GRPOModule(policy, mode="dense")
     data = RolloutDataModule(PROMPTS, tokenizer, [length_reward], prompts_per_step=2, num_generations=2,
                              max_new_tokens=MAX_NEW_TOKENS, use_chat_template=False, seed=3)  # fmt: skip
     trainer = L.Trainer(
         max_steps=max_steps, accelerator="cpu", logger=False, enable_checkpointing=False, enable_progress_bar=False,
-        enable_model_summary=False, callbacks=list(callbacks),
+        enable_model_summary=False, callbacks=list(callbacks), **trainer_kwargs,
     )  # fmt: skip
     return trainer, module, lambda: trainer.fit(module, data, ckpt_path=ckpt_path)
 
@@ -45,6 +45,7 @@ class SendSignal(L.Callback):
         self.rollout_forwards = 0
         self.rollout_forwards_after_signal = 0
         self.in_rollout = False
+        self.sent = False
 
     def attach(self, module: GRPOModule) -> None:
         module.phase_listeners.append(self.on_phase)
@@ -63,28 +64,31 @@ class SendSignal(L.Callback):
             os.kill(os.getpid(), self.signum)
 
     def on_after_backward(self, trainer, pl_module) -> None:
-        if self.during == "train" and trainer.global_step + 1 == self.at:
+        if self.during == "train" and trainer.global_step + 1 == self.at and not self.sent:
+            self.sent = True
             os.kill(os.getpid(), self.signum)
 
 
 @pytest.mark.parametrize(
-    ("signum", "during", "at", "stopped_step"),
+    ("signum", "during", "at", "stopped_step", "trainer_kwargs"),
     [
-        (signal.SIGTERM, "rollout", MAX_NEW_TOKENS + 3, 1),  # the third forward of the second rollout
-        (signal.SIGINT, "train", 2, 2),  # after the backward of step 2: that step's optimizer step completes
+        (signal.SIGTERM, "rollout", MAX_NEW_TOKENS + 3, 1, {}),  # the third forward of the second rollout
+        (signal.SIGINT, "train", 2, 2, {}),  # after the backward of step 2: that step's optimizer step completes
+        # after the first of two accumulated micro-batches of step 2: the stop waits for the second and the step
+        (signal.SIGINT, "train", 2, 2, {"accumulate_grad_batches": 2}),
     ],
-    ids=["SIGTERM in a rollout", "SIGINT in a training step"],
+    ids=["SIGTERM in a rollout", "SIGINT in a training step", "SIGINT while accumulating"],
 )
 def test_a_signal_stops_at_a_safe_point_and_the_run_resumes_exactly(
-    signum, during, at, stopped_step, tokenizer, tmp_path
+    signum, during, at, stopped_step, trainer_kwargs, tokenizer, tmp_path
 ):
-    trainer, module, fit = _fit(tokenizer)
+    trainer, module, fit = _fit(tokenizer, **trainer_kwargs)
     fit()
     expected = [p.detach().clone() for p in module.policy.parameters()]
 
     stop = StopOnSignal(dirpath=str(tmp_path))
     sender = SendSignal(signum, during, at)
-    trainer, module, fit = _fit(tokenizer, callbacks=[sender, stop])
+    trainer, module, fit = _fit(tokenizer, callbacks=[sender, stop], **trainer_kwargs)
     sender.attach(module)
     with pytest.raises(StopRequested) as stopped:
         fit()
@@ -92,10 +96,12 @@ def test_a_signal_stops_at_a_safe_point_and_the_run_resumes_exactly(
     assert trainer.global_step == stopped_step
     if during == "rollout":  # stopped before the next decode step, not at the end of the rollout
         assert sender.rollout_forwards_after_signal == 0
+    if "accumulate_grad_batches" in trainer_kwargs:  # both micro-batches of each of the 2 steps trained
+        assert trainer.fit_loop.epoch_loop.batch_progress.current.processed == 4
     assert stop.checkpoint_path == tmp_path / "stopped.ckpt" and stop.checkpoint_path.is_file()
     assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
 
-    trainer, module, fit = _fit(tokenizer, ckpt_path=str(stop.checkpoint_path))
+    trainer, module, fit = _fit(tokenizer, ckpt_path=str(stop.checkpoint_path), **trainer_kwargs)
     fit()
     assert trainer.global_step == 3
     assert all(torch.equal(a, b) for a, b in zip(expected, module.policy.parameters(), strict=True))
