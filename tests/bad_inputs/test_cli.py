@@ -187,6 +187,7 @@ def test_a_checkpoint_of_another_policy_warns_with_both(tiny_dir, dense_config, 
     )
     with pytest.warns(UserWarning, match=expected):
         cli = main(["fit", "--config", str(dense_config), *size, "--model.init_args.policy", str(other),
-                    "--ckpt_path", str(checkpoint), "--trainer.max_steps", "1"])  # fmt: skip
+                    "--ckpt_path", str(checkpoint), "--trainer.max_steps", "1",
+                    "--trainer.default_root_dir", str(tmp_path / "resumed")])  # fmt: skip
     assert cli.model._policy_source == str(tiny_dir)
     assert tree_digest(run) == before
