@@ -88,6 +88,7 @@ from lit_smd.modules._common import (
     NonFiniteAction,
     NonFiniteGuard,
     OptimizerCallable,
+    check_checkpoint_model,
     check_tokenizer_fits,
     configure_optimizers,
     freeze,
@@ -384,6 +385,9 @@ class DistillModule(LightningModule):
     def setup(self, stage: str) -> None:
         """Refuse sharded strategies before any model is loaded (`lit_smd.datamodules.rollout.require_full_weights`)."""
         require_full_weights(self.trainer.strategy, "DistillModule (sampling, the entropy probe, export_student)")
+
+    def on_load_checkpoint(self, checkpoint: dict[str, object]) -> None:
+        check_checkpoint_model(self, checkpoint, "student")
 
     def on_fit_start(self) -> None:
         # from_pretrained returns eval-mode models and Lightning keeps the mode it finds.

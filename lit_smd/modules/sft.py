@@ -42,6 +42,7 @@ from lit_smd.modules._common import (
     NonFiniteAction,
     NonFiniteGuard,
     OptimizerCallable,
+    check_checkpoint_model,
     check_model_args,
     check_tokenizer_fits,
     configure_optimizers,
@@ -183,6 +184,9 @@ class SFTModule(LightningModule):
         if self.policy is None:
             self.policy = load_causal_lm(self._policy_source, dtype=self.model_dtype)
             self._prepare_policy()
+
+    def on_load_checkpoint(self, checkpoint: dict[str, object]) -> None:
+        check_checkpoint_model(self, checkpoint, "policy")
 
     def on_fit_start(self) -> None:
         # from_pretrained and build_tiny_model return eval-mode models, and Lightning keeps the mode it finds.

@@ -7,6 +7,7 @@ tokenizer / vocabulary check runs in ``on_fit_start``, before the first rollout 
 
 import json
 import math
+import re
 import shutil
 from pathlib import Path
 
@@ -17,7 +18,13 @@ from datasets import Dataset
 
 from lit_smd.datamodules import DistillDataModule, RolloutDataModule, SupervisedDataModule
 from lit_smd.kv import SnapKV
-from lit_smd.models import build_tiny_model, build_tiny_tokenizer, load_causal_lm, load_tokenizer
+from lit_smd.models import (
+    build_tiny_model,
+    build_tiny_tokenizer,
+    load_causal_lm,
+    load_tokenizer,
+    save_tiny_checkpoint,
+)
 from lit_smd.modules import DistillModule, GRPOModule, SFTModule
 from lit_smd.rollout import generate
 
@@ -294,3 +301,38 @@ def test_a_tokenizer_larger_than_the_model_fails_at_fit_start(case, pattern):
     )  # fmt: skip
     with pytest.raises(ValueError, match=pattern):
         trainer.fit(module, data)
+
+
+def test_a_checkpoint_of_another_policy_warns_and_one_of_another_size_is_named(tiny_dir, tmp_path, tree_digest):
+    """Resuming through the Python API (the CLI warns earlier, `tests/bad_inputs/test_cli.py`): a checkpoint saved
+    with another policy source warns with both; one whose weights have other shapes fails before loading them."""
+    tokenizer = build_tiny_tokenizer()
+    rows = Dataset.from_dict({"prompt": ["1 + 2 =", "4 + 5 ="]})
+
+    def fit(policy: str, ckpt_path: str | None = None) -> L.Trainer:
+        data = RolloutDataModule(rows, tokenizer, [lambda prompts, completions, **kw: [0.0] * len(completions)],
+                                 prompts_per_step=2, num_generations=2, max_new_tokens=2, use_chat_template=False)
+        trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=tmp_path / "run")  # fmt: skip
+        trainer.fit(GRPOModule(policy, mode="dense"), data, ckpt_path=ckpt_path)
+        return trainer
+
+    fit(str(tiny_dir))
+    (checkpoint,) = (tmp_path / "run").rglob("*.ckpt")
+    before = tree_digest(tmp_path / "run")
+    same_size = Path(shutil.copytree(tiny_dir, tmp_path / "same_size_copy"))
+    warning = (
+        rf"the checkpoint was saved with policy='{re.escape(str(tiny_dir))}' but this module is configured with "
+        rf"policy='{re.escape(str(same_size))}'"
+    )
+    with pytest.warns(UserWarning, match=warning):
+        fit(str(same_size), str(checkpoint))
+    smaller = save_tiny_checkpoint(tmp_path / "smaller", hidden_size=32)
+    pattern = (
+        r"the checkpoint's weights do not fit the configured policy: policy\.model\.embed_tokens\.weight is "
+        rf"\(103, 64\) in the checkpoint \(policy='{re.escape(str(tiny_dir))}'\) but \(103, 32\) in the configured "
+        rf"policy='{re.escape(str(smaller))}' \(another model size\)"
+    )
+    with pytest.raises(ValueError, match=pattern):
+        fit(str(smaller), str(checkpoint))
+    assert tree_digest(tmp_path / "run") == before
