@@ -39,13 +39,16 @@ def context_length(config: PretrainedConfig) -> int | None:
     return None
 
 
-def rollout_length_limit(config: PretrainedConfig, max_new_tokens: int, max_prompt_tokens: int | None) -> int | None:
+def rollout_length_limit(
+    config: PretrainedConfig, max_new_tokens: int, max_prompt_tokens: int | None, model: str = "policy"
+) -> int | None:
     """The longest prompt a rollout of ``max_new_tokens`` tokens can take, in tokens (None: no limit known).
 
     Args:
-        config: The policy's config.
+        config: The sampling model's config.
         max_new_tokens: Longest completion.
         max_prompt_tokens: The configured prompt limit, or None for "whatever the context leaves".
+        model: The sampling model's argument name, for the messages (``"policy"``, ``"student"``).
 
     Raises:
         ValueError: ``max_new_tokens`` leaves no room for a prompt in the context, or ``max_prompt_tokens +
@@ -56,13 +59,13 @@ def rollout_length_limit(config: PretrainedConfig, max_new_tokens: int, max_prom
         return max_prompt_tokens
     if max_new_tokens >= context:
         raise ValueError(
-            f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the policy's context of {context} tokens "
+            f"max_new_tokens={max_new_tokens} leaves no room for a prompt in the {model}'s context of {context} tokens "
             f"(max_position_embeddings); set max_new_tokens < {context}"
         )
     if max_prompt_tokens is not None and max_prompt_tokens + max_new_tokens > context:
         raise ValueError(
             f"max_prompt_tokens={max_prompt_tokens} + max_new_tokens={max_new_tokens} = "
-            f"{max_prompt_tokens + max_new_tokens} tokens exceed the policy's context of {context} tokens "
+            f"{max_prompt_tokens + max_new_tokens} tokens exceed the {model}'s context of {context} tokens "
             f"(max_position_embeddings); lower one of them (or max_prompt_tokens=None for {context - max_new_tokens})"
         )
     return context - max_new_tokens if max_prompt_tokens is None else max_prompt_tokens

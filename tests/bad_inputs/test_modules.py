@@ -202,6 +202,30 @@ def test_distill_module_checks_models_and_lengths_before_training(tiny_policy):
         DistillModule(tiny_policy, tiny_policy, estimator="topk", top_k=200).configure_model()
     with pytest.raises(ValueError, match=r"max_new_tokens must be an integer >= 1, got 0"):
         DistillModule(tiny_policy, tiny_policy).set_max_new_tokens(0)
+    with pytest.raises(ValueError, match=r"max_new_tokens=4096 leaves no room for a prompt in the student's context "
+                                         r"of 4096 tokens"):  # fmt: skip
+        DistillModule(tiny_policy, tiny_policy).set_max_new_tokens(4096)
+
+
+def test_distill_prompts_past_the_student_context_fail_at_fit_start(tokenizer):
+    """Online prefixes: max_new_tokens past the student's context, or prompts longer than what it leaves, are named
+    before the first generation."""
+    student = build_tiny_model("qwen3", tokenizer=tokenizer, max_position_embeddings=12)
+    teacher = build_tiny_model("qwen3", tokenizer=tokenizer, seed=1)
+    rows = Dataset.from_dict({"prompt": ["1 + 2 =", "40 + 56 =", "7 + 8 ="]})
+
+    def fit(module_kwargs, data_kwargs):
+        data = DistillDataModule(rows, tokenizer, batch_size=2, use_chat_template=False, **data_kwargs)
+        trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                            enable_checkpointing=False, enable_model_summary=False)  # fmt: skip
+        trainer.fit(DistillModule(student, teacher, prefix_source="student", **module_kwargs), data)
+
+    with pytest.raises(ValueError, match=r"3 prompts are longer than the 4 tokens the student's context leaves after "
+                                         r"max_new_tokens=8; set the data's max_prompt_tokens <= 4"):  # fmt: skip
+        fit({"max_new_tokens": 8}, {})
+    with pytest.raises(ValueError, match=r"max_prompt_tokens=8 \+ max_new_tokens=8 = 16 tokens exceed the student's "
+                                         r"context of 12 tokens"):  # fmt: skip
+        fit({"max_new_tokens": 8}, {"max_prompt_tokens": 8})
 
 
 # (case, SFTModule keyword arguments besides the policy, regex)
