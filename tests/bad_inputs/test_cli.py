@@ -141,13 +141,14 @@ def _anchor_bomb(levels: int) -> str:
     return "\n".join(lines) + "\n"
 
 
-def test_a_yaml_anchor_bomb_is_refused_before_it_is_expanded(tmp_path, capsys):
+@pytest.mark.parametrize("subcommand", ["fit", "cache-teacher"])
+def test_a_yaml_anchor_bomb_is_refused_before_it_is_expanded(subcommand, tmp_path, capsys):
     """9**9 strings would take jsonargparse hours; refused from the composed node graph (shared alias nodes)."""
     bomb = tmp_path / "bomb.yaml"
     bomb.write_text(_anchor_bomb(9))
     start = time.perf_counter()
     with pytest.raises(SystemExit) as exit_info:
-        main(["fit", "--config", str(bomb)], run=False)
+        main([subcommand, "--config", str(bomb)], run=False)
     assert time.perf_counter() - start < 30
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
