@@ -17,8 +17,9 @@ Besides Lightning's subcommands, ``cache-teacher`` builds an offline teacher-log
 from __future__ import annotations
 
 import sys
+from typing import Any
 
-from jsonargparse import ActionConfigFile, ArgumentParser
+from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
@@ -28,6 +29,7 @@ from lit_smd.checkpoint_io import (
     checked_checkpoint_path,
     fallback_requested,
 )
+from lit_smd.cli_guards import install_config_guard, warn_checkpoint_overrides
 from lit_smd.datamodules.teacher_cache import CacheMetadata
 from lit_smd.datamodules.teacher_cache_build import build_teacher_cache
 
@@ -35,16 +37,32 @@ __all__ = ["LitSmdCLI", "cache_teacher", "console_main", "main"]
 
 
 class LitSmdCLI(LightningCLI):
-    """LightningCLI with lit_smd's defaults: subclass mode for model and data, config saved with overwrite."""
+    """LightningCLI with lit_smd's defaults: subclass mode for model and data, config saved with overwrite; a warning
+    for each model argument that the ``--ckpt_path`` checkpoint's hyperparameters replace
+    (`lit_smd.cli_guards.warn_checkpoint_overrides`)."""
 
     def _parse_ckpt_path(self) -> None:
         """Name a truncated ``--ckpt_path`` (or use the newest readable one, when the config's AtomicCheckpointIO
-        allows it) before Lightning reads its hyperparameters (`lit_smd.checkpoint_io.checked_checkpoint_path`)."""
-        config = self.config.get(self.config.get("subcommand") or "", None)
+        allows it) before Lightning reads its hyperparameters (`lit_smd.checkpoint_io.checked_checkpoint_path`), then
+        warn for each configured model argument that the checkpoint's hyperparameters replace."""
+        subcommand = self.config.get("subcommand")
+        config = self.config.get(subcommand or "", None)
         if config is not None and config.get("ckpt_path"):
             fallback = fallback_requested(config.get("trainer", {}).get("plugins"))
             config.ckpt_path = str(checked_checkpoint_path(config.ckpt_path, fallback))
+        configured = _model_arguments(config.get("model") if config is not None else None)
         super()._parse_ckpt_path()
+        if configured:
+            loaded = _model_arguments(self.config[subcommand].get("model"))
+            warn_checkpoint_overrides(configured, loaded, self.config[subcommand].get("ckpt_path"))
+
+
+def _model_arguments(model: Any) -> dict[str, Any]:
+    """The configured model's arguments (``init_args``, or ``dict_kwargs``) as a plain dict; {} when none."""
+    if not isinstance(model, Namespace):
+        return {}
+    arguments = model.get("init_args") or model.get("dict_kwargs") or {}
+    return arguments.as_dict() if isinstance(arguments, Namespace) else dict(arguments)
 
 
 # Crash-safe writes (lit_smd.checkpoint_io): checkpoints through AtomicCheckpointIO unless a config lists its own
@@ -63,6 +81,7 @@ def main(args: ArgsType = None, run: bool = True) -> LitSmdCLI | CacheMetadata:
         The CLI object (``cli.model``, ``cli.datamodule``, ``cli.trainer``); for ``cache-teacher``, the cache's
         metadata.
     """
+    install_config_guard()
     argv = sys.argv[1:] if args is None else args
     if isinstance(argv, list) and argv[:1] == ["cache-teacher"]:
         return cache_teacher(argv[1:])

@@ -19,6 +19,7 @@ Quantization (bitsandbytes 8-bit / 4-bit) is for frozen teachers and reference m
 LoRA adapters for the trained model are in `lit_smd.lora`.
 """
 
+import json
 import os
 import re
 import string
@@ -97,23 +98,111 @@ _HUB_ID = re.compile(r"[\w][\w.-]*(/[\w][\w.-]*)?")
 """The form of a hub repository id: ``name`` or ``owner/name``."""
 
 
-def check_pretrained_source(name_or_path: str, parameter: str) -> None:
+_WEIGHT_FILES = (
+    "model.safetensors",
+    "model.safetensors.index.json",
+    "pytorch_model.bin",
+    "pytorch_model.bin.index.json",
+)
+"""Weight files `from_pretrained` reads from a local folder (a single file or a sharded index)."""
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json", "vocab.txt")
+"""Files of which a local tokenizer folder holds at least one."""
+
+
+def check_pretrained_source(name_or_path: str, parameter: str, kind: Literal["model", "tokenizer"] = "model") -> None:
     """Fail fast on a model / tokenizer source that can be neither loaded from disk nor from the hub.
+
+    A local path must be a folder written by ``save_pretrained``. For a model it needs a ``config.json`` that parses and
+    its weights (``model.safetensors``, ``pytorch_model.bin`` or a sharded index and every shard it lists; a PEFT
+    ``adapter_config.json`` instead of weights is left to ``from_pretrained``); every safetensors file's header is read
+    to catch a truncated copy (a few KB per file, no weights). A tokenizer folder needs one of `_TOKENIZER_FILES`.
 
     Args:
         name_or_path: A local path or a hub id.
         parameter: The argument that holds it, named in the error (e.g. ``"policy"``).
+        kind: What is loaded from it: ``"model"`` (config and weights) or ``"tokenizer"``.
 
     Raises:
         ValueError: ``name_or_path`` does not exist locally and is not of the form ``name`` / ``owner/name`` (a
-            mistyped local path, caught before the hub is asked for it).
+            mistyped local path, caught before the hub is asked for it); it is a file, not a folder; or the folder
+            lacks a file named in the message, or holds a truncated or corrupt one.
     """
-    if os.path.exists(name_or_path) or _HUB_ID.fullmatch(name_or_path):  # from_pretrained does not expand "~"
+    if not os.path.exists(name_or_path):  # from_pretrained does not expand "~"
+        if _HUB_ID.fullmatch(name_or_path):
+            return
+        raise ValueError(
+            f"{parameter}={name_or_path!r} is neither an existing local path nor a hub id ('name' or 'owner/name'); "
+            "check the path"
+        )
+    folder = Path(name_or_path)
+    if not folder.is_dir():
+        raise ValueError(
+            f"{parameter}={name_or_path!r} is a file; pass the folder written by save_pretrained that holds it (with "
+            f"{'config.json and the weights' if kind == 'model' else 'the tokenizer files'}) or a hub id"
+        )
+    if kind == "tokenizer":
+        if not any((folder / name).is_file() for name in _TOKENIZER_FILES):
+            raise ValueError(
+                f"{parameter}={name_or_path!r} is a folder without tokenizer files: it needs one of "
+                f"{list(_TOKENIZER_FILES)} (tokenizer.save_pretrained writes them)"
+            )
         return
-    raise ValueError(
-        f"{parameter}={name_or_path!r} is neither an existing local path nor a hub id ('name' or 'owner/name'); "
-        "check the path"
-    )
+    _check_json_file(folder / "config.json", parameter, "the model's config (model.save_pretrained writes it)")
+    if (folder / "adapter_config.json").is_file():
+        return
+    present = [name for name in _WEIGHT_FILES if (folder / name).is_file()]
+    if not present:
+        raise ValueError(
+            f"{parameter}={name_or_path!r} has no weights: none of {list(_WEIGHT_FILES)} is in the folder (an "
+            "interrupted copy or export?)"
+        )
+    weight_files = [folder / name for name in present if not name.endswith(".index.json")]
+    for index_name in (name for name in present if name.endswith(".index.json")):
+        index = _check_json_file(folder / index_name, parameter, "the index of the weight shards")
+        shards = sorted(set((index.get("weight_map") or {}).values()))
+        missing = [shard for shard in shards if not (folder / shard).is_file()]
+        if missing:
+            raise ValueError(f"{parameter}={name_or_path!r}: {index_name} lists the weight shards {missing}, missing")
+        weight_files += [folder / shard for shard in shards]
+    for file in weight_files:
+        if file.suffix == ".safetensors":
+            _check_safetensors(file, parameter)
+
+
+def _check_json_file(path: Path, parameter: str, what: str) -> dict:
+    """The JSON object in ``path``, or a ``ValueError`` naming ``parameter`` and the missing / unreadable file."""
+    if not path.is_file():
+        raise ValueError(f"{parameter}={str(path.parent)!r} has no {path.name}, {what}")
+    try:
+        content = json.loads(path.read_text(encoding="utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ValueError(f"{parameter}: {path} is not valid JSON ({error}); truncated or corrupt?") from error
+    if not isinstance(content, dict):
+        raise ValueError(f"{parameter}: {path} holds a JSON {type(content).__name__}, not an object")
+    return content
+
+
+def _check_safetensors(path: Path, parameter: str) -> None:
+    """Read a safetensors file's header (8-byte length, JSON) and check that the file holds every byte it lists."""
+    size = path.stat().st_size
+    with path.open("rb") as file:
+        prefix = file.read(8)
+        header_size = int.from_bytes(prefix, "little") if len(prefix) == 8 else -1
+        header_bytes = file.read(header_size) if 0 <= header_size <= size - 8 else b""
+    try:
+        header = json.loads(header_bytes)
+        end = max((entry["data_offsets"][1] for key, entry in header.items() if key != "__metadata__"), default=0)
+    except (UnicodeDecodeError, json.JSONDecodeError, TypeError, KeyError, IndexError) as error:
+        raise ValueError(
+            f"{parameter}: {path} is not a readable safetensors file ({size} bytes; its header cannot be read): "
+            "truncated or corrupt, copy or export it again"
+        ) from error
+    expected = 8 + header_size + end
+    if size != expected:
+        raise ValueError(
+            f"{parameter}: {path} is {size} bytes but its header describes {expected} bytes: truncated or corrupt, "
+            "copy or export it again"
+        )
 
 
 def single_token_id(tokenizer: PreTrainedTokenizerBase, token: str) -> int:
@@ -152,7 +241,7 @@ def load_tokenizer(
         ValueError: If the tokenizer has neither a pad nor an eos token, or ``name_or_path`` is neither an existing
             path nor a hub id.
     """
-    check_pretrained_source(name_or_path, "tokenizer")
+    check_pretrained_source(name_or_path, "tokenizer", kind="tokenizer")
     tokenizer = AutoTokenizer.from_pretrained(
         name_or_path, revision=revision, trust_remote_code=trust_remote_code, padding_side="left"
     )

@@ -44,7 +44,7 @@ def _args(task: str, tiny_dir: Path, tmp_path: Path) -> list[str]:
         "--trainer.logger.init_args.save_dir", str(tmp_path),
         "--model.init_args.policy", str(tiny_dir), "--model.init_args.model_dtype", "float32",
         "--model.init_args.gradient_checkpointing", "false",
-        "--data.init_args.tokenizer", str(tiny_dir), "--data.init_args.max_prompt_tokens", "4096",
+        "--data.init_args.tokenizer", str(tiny_dir), "--data.init_args.max_prompt_tokens", "null",
         "--data.init_args.dataset_kwargs", fixture,
         "--data.init_args.val_dataset_kwargs", fixture, "--data.init_args.test_dataset_kwargs", fixture,
         "--data.init_args.prompts_per_step", "2", "--data.init_args.num_generations", "2",

@@ -1,8 +1,10 @@
-"""Lightning callbacks: the entropy-gated length curriculum, peak memory per training phase, generation evaluation."""
+"""Lightning callbacks: the entropy-gated length curriculum, peak memory per training phase, generation evaluation,
+stopping on SIGTERM / SIGINT at a safe point."""
 
 from lit_smd.callbacks.entropy_curriculum import EntropyCurriculum, LengthCurriculumTarget, ProbeStats
 from lit_smd.callbacks.generation_eval import GenerationEval, MetricName
 from lit_smd.callbacks.memory_profiler import MemoryProfiler
+from lit_smd.callbacks.stop_on_signal import StopOnSignal, StopRequested
 
 __all__ = [
     "EntropyCurriculum",
@@ -11,4 +13,6 @@ __all__ = [
     "MemoryProfiler",
     "MetricName",
     "ProbeStats",
+    "StopOnSignal",
+    "StopRequested",
 ]

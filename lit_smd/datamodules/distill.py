@@ -25,7 +25,7 @@ from transformers import PreTrainedTokenizerBase
 from lit_smd.datamodules.resume import ResumableDataLoader, ResumableDataModule
 from lit_smd.models import load_tokenizer, single_token_id
 from lit_smd.tasks.chat import dataset_is_conversational, end_of_turn_token_id, uses_chat_template
-from lit_smd.tasks.datasets import prepare_prompts, resolve_dataset
+from lit_smd.tasks.datasets import check_text_column, prepare_prompts, resolve_dataset
 
 __all__ = ["DistillDataModule", "ProbeSource", "PromptBatch", "left_pad"]
 
@@ -160,6 +160,7 @@ class DistillDataModule(ResumableDataModule):
         raw = resolve_dataset(self.dataset, **self.dataset_kwargs)
         if "prompt" not in raw.column_names:
             raise ValueError(f"the prompt dataset needs a 'prompt' column, got columns {raw.column_names}")
+        check_text_column(raw, "prompt", "the prompt dataset")
         templated = uses_chat_template(self.tokenizer, self.use_chat_template, dataset_is_conversational(raw))
         end_of_turn = end_of_turn_token_id(self.tokenizer) if templated else None
         if end_of_turn is not None:

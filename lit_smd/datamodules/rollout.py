@@ -40,8 +40,10 @@ Phases: `collect` runs inside ``report_phase(learner, "rollout")``, so the learn
 rollout begins and ends.
 
 Handled inputs, each with a clear error or a logged count:
-    - prompts longer than ``max_prompt_tokens``, empty prompts, and prompts shorter than the compressor needs (SnapKV's
-      observation window): dropped at setup / dataloader creation, counts logged (``num_filtered``);
+    - prompts longer than ``max_prompt_tokens`` (by default what the policy's context leaves after
+      ``max_new_tokens``), empty prompts, and prompts shorter than the compressor needs (SnapKV's observation window):
+      dropped at setup / dataloader creation, counts logged (``num_filtered``); ``max_new_tokens`` past the context or
+      a rollout cache larger than the free memory: ``ValueError`` with the numbers, before the first rollout;
     - a reward function that raises: ``RuntimeError`` naming the function (the original error chained); a NaN / inf
       reward, a value overflowing float32 or a wrong number of values: ``ValueError``, a string or mapping instead
       of a list: ``TypeError``, no answer within ``reward_timeout``: ``TimeoutError``, each naming the function;
@@ -67,6 +69,7 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from lit_smd.datamodules.experience import Experience, RolloutLearner, hf_trainer_state, report_phase
+from lit_smd.datamodules.limits import check_rollout_memory, rollout_length_limit
 from lit_smd.datamodules.resume import EpochPosition, ResumableDataModule
 from lit_smd.fsdp import FSDP2Strategy, gathered
 from lit_smd.models import load_tokenizer, single_token_id
@@ -79,7 +82,7 @@ from lit_smd.tasks.chat import (
     end_of_turn_token_id,
     uses_chat_template,
 )
-from lit_smd.tasks.datasets import prepare_prompts, resolve_dataset
+from lit_smd.tasks.datasets import check_text_column, prepare_prompts, resolve_dataset
 
 __all__ = ["ExperienceStream", "RolloutDataModule", "require_full_weights"]
 
@@ -109,7 +112,10 @@ class RolloutDataModule(ResumableDataModule):
         max_new_tokens: Longest completion, in tokens.
         top_p: Nucleus sampling mass.
         top_k: Top-k sampling (0 = off).
-        max_prompt_tokens: Longer prompts (after the chat template) are dropped; None keeps all.
+        max_prompt_tokens: Longer prompts (after the chat template) are dropped; None: the policy's context
+            (``max_position_embeddings``) minus ``max_new_tokens``, applied when training starts. Either way
+            ``max_prompt_tokens + max_new_tokens`` must fit in the context, and one batch's rollout cache in the free
+            memory (`lit_smd.datamodules.limits`), or training stops before the first rollout naming the numbers.
         num_iterations: Passes over each rollout batch (the ratio stays against the rollout-time policy).
         minibatch_size: Completions per optimizer step; must divide ``prompts_per_step * num_generations``. None = the
             whole rollout batch.
@@ -245,6 +251,7 @@ class RolloutDataModule(ResumableDataModule):
         raw = resolve_dataset(self.dataset, **self.dataset_kwargs)
         if "prompt" not in raw.column_names:
             raise ValueError(f"the prompt dataset needs a 'prompt' column, got columns {raw.column_names}")
+        check_text_column(raw, "prompt", "the prompt dataset")
         self.conversational = dataset_is_conversational(raw)
         prepared, too_long = prepare_prompts(
             raw, self.tokenizer, self.max_prompt_tokens, self.system_prompt, self.use_chat_template
@@ -252,7 +259,7 @@ class RolloutDataModule(ResumableDataModule):
         if too_long and not len(prepared):
             raise ValueError(
                 f"all {too_long} prompts are longer than max_prompt_tokens={self.max_prompt_tokens} tokens; raise "
-                "max_prompt_tokens (or None to keep every prompt)"
+                "max_prompt_tokens (or None for what the policy's context leaves after max_new_tokens)"
             )
         encoded = self.tokenizer(list(prepared["prompt"]), add_special_tokens=not self.templated)["input_ids"]
         keep = [index for index, ids in enumerate(encoded) if len(ids) > 0]
@@ -316,6 +323,7 @@ class RolloutDataModule(ResumableDataModule):
         raw = resolve_dataset(source, **kwargs)
         if "prompt" not in raw.column_names:
             raise ValueError(f"the {split}_dataset needs a 'prompt' column, got columns {raw.column_names}")
+        check_text_column(raw, "prompt", f"the {split}_dataset")
         prepared, _ = prepare_prompts(
             raw, self.tokenizer, self.max_prompt_tokens, self.system_prompt, self.use_chat_template
         )
@@ -338,14 +346,25 @@ class RolloutDataModule(ResumableDataModule):
         )
         return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], **batch}
 
-    def eligible_indices(self, min_prompt_length: int = 1) -> list[int]:
-        """Indices of the prompts with at least ``min_prompt_length`` tokens (a compressor's minimum); count logged."""
+    def eligible_indices(self, min_prompt_length: int = 1, max_prompt_length: int | None = None) -> list[int]:
+        """Indices of the prompts with at least ``min_prompt_length`` tokens (a compressor's minimum) and at most
+        ``max_prompt_length`` (what the policy's context leaves, `lit_smd.datamodules.limits.rollout_length_limit`);
+        counts logged and kept in ``num_filtered`` (``too_short``, ``over_context``)."""
         self.setup()
-        indices = [i for i, length in enumerate(self.prompt_lengths) if length >= min_prompt_length]
-        short = len(self.prompt_lengths) - len(indices)
+        long_enough = [i for i, length in enumerate(self.prompt_lengths) if length >= min_prompt_length]
+        indices = [i for i in long_enough if max_prompt_length is None or self.prompt_lengths[i] <= max_prompt_length]
+        short, over = len(self.prompt_lengths) - len(long_enough), len(long_enough) - len(indices)
         self.num_filtered["too_short"] = short
+        self.num_filtered["over_context"] = over
         if short:
             logger.warning("dropped %d prompts shorter than the compressor's %d tokens", short, min_prompt_length)
+        if over:
+            logger.warning(
+                "dropped %d prompts longer than the %d tokens the policy's context leaves after max_new_tokens=%d",
+                over,
+                max_prompt_length,
+                self.max_new_tokens,
+            )
         return indices
 
     @torch.no_grad()
@@ -492,7 +511,11 @@ class ExperienceStream:
         self.rank = rank
         self.world_size = world_size
         compressor = learner.compressor
-        self.indices = datamodule.eligible_indices(1 if compressor is None else compressor.min_prompt_length)
+        config = getattr(learner.policy, "config", None)
+        limit = datamodule.max_prompt_tokens
+        if config is not None:
+            limit = rollout_length_limit(config, datamodule.max_new_tokens, datamodule.max_prompt_tokens)
+        self.indices = datamodule.eligible_indices(1 if compressor is None else compressor.min_prompt_length, limit)
         per_step = datamodule.prompts_per_step * world_size
         self.steps_per_epoch = len(self.indices) // per_step
         if self.steps_per_epoch == 0:
@@ -500,6 +523,10 @@ class ExperienceStream:
                 f"{len(self.indices)} usable prompts cannot fill one step of prompts_per_step="
                 f"{datamodule.prompts_per_step} on {world_size} rank(s) (filtered: {datamodule.num_filtered})"
             )
+        if config is not None:
+            longest = max(datamodule.prompt_lengths[i] for i in self.indices)
+            rows = datamodule.prompts_per_step * datamodule.num_generations
+            check_rollout_memory(learner.policy, rows, longest, datamodule.max_new_tokens, compressor is not None)
         self.position = EpochPosition()
         self._rollout_batch: tuple[int, int, Experience] | None = None
 

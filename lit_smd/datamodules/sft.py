@@ -28,7 +28,7 @@ from transformers import PreTrainedTokenizerBase
 
 from lit_smd.datamodules.resume import ResumableDataLoader, ResumableDataModule
 from lit_smd.models import load_tokenizer
-from lit_smd.tasks.datasets import prepare_prompts, resolve_dataset
+from lit_smd.tasks.datasets import check_text_column, prepare_prompts, resolve_dataset
 
 __all__ = ["IGNORE_INDEX", "SupervisedDataModule"]
 
@@ -178,6 +178,8 @@ class SupervisedDataModule(ResumableDataModule):
         missing = [name for name in (prompt_column, target_column) if name not in rows.column_names]
         if missing:
             raise ValueError(f"the {split} rows lack the columns {missing}; they have {rows.column_names}")
+        for column in (prompt_column, target_column):
+            check_text_column(rows, column, f"the {split} rows", lists="strings")
         prompts, targets = rows[prompt_column], rows[target_column]
         if self.templated:
             if any(not isinstance(prompt, str) for prompt in prompts):

@@ -196,3 +196,34 @@ def check_model_args(models: dict[str, object], model_dtype: str, optional: tupl
             raise ValueError(f"{name} must be a Hugging Face causal LM, a hub id or a local directory, got {model!r}")
     if model_dtype not in get_args(ModelDType):
         raise ValueError(f"model_dtype must be one of {get_args(ModelDType)}, got {model_dtype!r}")
+
+
+def check_checkpoint_model(module: LightningModule, checkpoint: Mapping[str, object], name: str) -> None:
+    """Compare a checkpoint about to be loaded (``on_load_checkpoint``) with the configured trained model ``name``.
+
+    Warns when the checkpoint was saved with another ``name`` source (hub id or path) than the module's: resuming
+    continues from the checkpoint's weights, not the configured model's. Raises when those weights cannot fit.
+
+    Args:
+        module: The module whose ``hparams`` and ``state_dict`` hold the configured model.
+        checkpoint: The Lightning checkpoint (``hyper_parameters``, ``state_dict``).
+        name: The model argument (``"policy"``, ``"student"``).
+
+    Raises:
+        ValueError: Naming the first parameter whose shape differs, with both shapes and both sources.
+    """
+    saved = (checkpoint.get("hyper_parameters") or {}).get(name)
+    configured = module.hparams.get(name)
+    if isinstance(saved, str) and isinstance(configured, str) and saved != configured:
+        rank_zero_warn(
+            f"the checkpoint was saved with {name}={saved!r} but this module is configured with {name}={configured!r}; "
+            "training continues from the checkpoint's weights"
+        )
+    own = module.state_dict()
+    for key, value in (checkpoint.get("state_dict") or {}).items():
+        if key in own and isinstance(value, Tensor) and own[key].shape != value.shape:
+            raise ValueError(
+                f"the checkpoint's weights do not fit the configured {name}: {key} is {tuple(value.shape)} in the "
+                f"checkpoint ({name}={saved!r}) but {tuple(own[key].shape)} in the configured {name}={configured!r} "
+                "(another model size); configure the checkpoint's model or start without ckpt_path"
+            )

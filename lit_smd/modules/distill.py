@@ -74,6 +74,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from lit_smd.atomic import publish_dir
 from lit_smd.callbacks.entropy_curriculum import ProbeStats
 from lit_smd.datamodules.distill import PromptBatch
+from lit_smd.datamodules.limits import rollout_length_limit
 from lit_smd.datamodules.rollout import require_full_weights
 from lit_smd.datamodules.teacher_cache import CachedBatch, CacheMetadata, tokenizer_fingerprint
 from lit_smd.datamodules.teacher_cache_build import teacher_topk_logprobs
@@ -90,6 +91,7 @@ from lit_smd.modules._common import (
     NonFiniteAction,
     NonFiniteGuard,
     OptimizerCallable,
+    check_checkpoint_model,
     check_tokenizer_fits,
     configure_optimizers,
     freeze,
@@ -235,6 +237,8 @@ class DistillModule(LightningModule):
         """Set the completion length limit (the length curriculum's handle)."""
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:
             raise ValueError(f"max_new_tokens must be an integer >= 1, got {value!r}")
+        if self.student is not None:
+            rollout_length_limit(self.student.config, value, None, "student")
         self._max_new_tokens = value
 
     @torch.no_grad()
@@ -394,6 +398,22 @@ class DistillModule(LightningModule):
         (`lit_smd.datamodules.rollout.require_full_weights`); `lit_smd.fsdp.FSDP2Strategy` passes."""
         require_full_weights(self.trainer.strategy, "DistillModule (sampling, the entropy probe, export_student)")
 
+    def on_load_checkpoint(self, checkpoint: dict[str, object]) -> None:
+        check_checkpoint_model(self, checkpoint, "student")
+
+    def _check_prompt_lengths(self, datamodule: object) -> None:
+        """Prompts plus ``max_new_tokens`` must fit in the student's context (`lit_smd.datamodules.limits`)."""
+        limit = rollout_length_limit(
+            self.student.config, self._max_new_tokens, getattr(datamodule, "max_prompt_tokens", None), "student"
+        )
+        prompt_ids = getattr(datamodule, "prompt_ids", None) or []
+        over = sum(len(ids) > limit for ids in prompt_ids) if limit is not None else 0
+        if over:
+            raise ValueError(
+                f"{over} prompts are longer than the {limit} tokens the student's context leaves after max_new_tokens="
+                f"{self._max_new_tokens}; set the data's max_prompt_tokens <= {limit} to drop them"
+            )
+
     def on_fit_start(self) -> None:
         # from_pretrained returns eval-mode models and Lightning keeps the mode it finds.
         self.student.train()
@@ -402,6 +422,7 @@ class DistillModule(LightningModule):
             teacher.to(self.device)  # quantized weights stay where bitsandbytes put them
         datamodule = self.trainer.datamodule
         check_tokenizer_fits(self.student, datamodule, "student")
+        self._check_prompt_lengths(datamodule)
         metadata = getattr(datamodule, "metadata", None)
         if isinstance(metadata, CacheMetadata):
             self.check_cache(metadata)

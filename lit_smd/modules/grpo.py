@@ -97,6 +97,7 @@ from lit_smd.modules._common import (
     NonFiniteAction,
     NonFiniteGuard,
     OptimizerCallable,
+    check_checkpoint_model,
     check_tokenizer_fits,
     configure_optimizers,
     freeze,
@@ -438,6 +439,9 @@ class GRPOModule(LightningModule):
         prepare_trainable(
             self.policy, disable_dropout=self.disable_dropout, gradient_checkpointing=self.gradient_checkpointing
         )
+
+    def on_load_checkpoint(self, checkpoint: dict[str, object]) -> None:
+        check_checkpoint_model(self, checkpoint, "policy")
 
     def on_fit_start(self) -> None:
         # from_pretrained returns eval-mode models and Lightning keeps the mode it finds; the learner trains in train

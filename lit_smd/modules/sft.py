@@ -44,6 +44,7 @@ from lit_smd.modules._common import (
     NonFiniteAction,
     NonFiniteGuard,
     OptimizerCallable,
+    check_checkpoint_model,
     check_model_args,
     check_tokenizer_fits,
     configure_optimizers,
@@ -187,6 +188,9 @@ class SFTModule(LightningModule):
             self._prepare_policy()
         if (strategy := fsdp_strategy(self)) is not None:
             shard_model(self.policy, strategy)
+
+    def on_load_checkpoint(self, checkpoint: dict[str, object]) -> None:
+        check_checkpoint_model(self, checkpoint, "policy")
 
     def on_fit_start(self) -> None:
         # from_pretrained and build_tiny_model return eval-mode models, and Lightning keeps the mode it finds.

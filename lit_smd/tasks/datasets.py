@@ -16,14 +16,17 @@ the math templates ask for a boxed answer, the convention for instruct models. A
 or hub dataset in TRL's conversational format (``prompt`` a list of messages) is used as it is.
 """
 
+import json
 import logging
 import re
 import string
 from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
+import pyarrow as pa
 from datasets import Dataset, load_dataset
+from datasets.exceptions import DatasetGenerationError
 from transformers import PreTrainedTokenizerBase
 
 from lit_smd.rewards.math_answer import extract_answer, extract_boxed
@@ -62,14 +65,91 @@ def load_rows(path: str, split: str = "train", name: str | None = None) -> Datas
         The rows, with the source's columns.
 
     Raises:
-        ValueError: ``path`` is an empty data file.
+        ValueError: ``path`` is an empty (or whitespace-only) data file, or a file ``datasets`` cannot read: the
+            message names the file, and for JSON the first line that does not parse.
     """
     builder = _FILE_BUILDERS.get(Path(path).suffix.lower())
-    if builder is not None:
-        if Path(path).is_file() and Path(path).stat().st_size == 0:  # datasets raises a bare StopIteration on it
-            raise ValueError(f"dataset {path!r} is an empty file: no rows")
+    if builder is None:
+        return load_dataset(path, name, split=split)
+    if Path(path).is_file() and _is_blank(Path(path), text=builder != "parquet"):
+        # datasets raises a bare StopIteration or "Instruction 'train' corresponds to no data" on it
+        raise ValueError(f"dataset {path!r} is an empty file: no rows")
+    try:
         return load_dataset(builder, data_files=path, split="train")
-    return load_dataset(path, name, split=split)
+    except (DatasetGenerationError, pa.ArrowException) as error:  # parquet's ArrowInvalid comes unwrapped
+        where = _json_error(Path(path)) if builder == "json" else None
+        cause = error.__cause__ or error
+        detail = where or f"{type(cause).__name__}: {cause}"
+        raise ValueError(f"dataset {path!r} cannot be read as {builder}: {detail}") from error
+
+
+def _is_blank(path: Path, text: bool) -> bool:
+    """Whether ``path`` is empty, or (``text``) holds only whitespace; reads up to the first other byte."""
+    if not text:
+        return path.stat().st_size == 0
+    with path.open("rb") as file:
+        while chunk := file.read(1 << 16):
+            if chunk.strip():
+                return False
+    return True
+
+
+def _json_error(path: Path) -> str | None:
+    """``"line 2: <json error>"`` for the first line of a JSON-lines file that does not parse (the whole document's
+    error for a file that opens with ``[``), or None when every line parses."""
+    with path.open(encoding="utf-8", errors="replace") as file:
+        first = file.read(1 << 16).lstrip()[:1]
+        file.seek(0)
+        if first == "[":
+            try:
+                json.load(file)
+            except json.JSONDecodeError as error:
+                return f"line {error.lineno} column {error.colno} is not valid JSON ({error.msg})"
+            return None
+        for number, line in enumerate(file, 1):
+            if line.strip():
+                try:
+                    json.loads(line.rstrip("\r\n"))
+                except json.JSONDecodeError as error:
+                    shown = line.strip()[:80]
+                    return f"line {number} is not valid JSON ({error.msg} at column {error.colno}): {shown!r}"
+    return None
+
+
+def check_text_column(
+    rows: Dataset, column: str, what: str, lists: Literal["messages", "strings"] = "messages"
+) -> None:
+    """Raise unless every value of ``column`` is a string or the list form ``lists`` allows, naming the first other.
+
+    Args:
+        rows: The rows.
+        column: The column to check (e.g. ``"prompt"``).
+        what: The dataset, for the message (e.g. ``"the prompt dataset"``).
+        lists: Valid lists: ``"messages"``, a conversation (a non-empty list of ``{"role": str, "content": str}``
+            dicts, rendered by the chat template), or ``"strings"``, turns (a non-empty list of strings: the
+            supervised DataModule's multi-turn rows).
+
+    Raises:
+        ValueError: Naming ``column``, the row (0-based), the value's type and the valid types.
+    """
+    for index, value in enumerate(rows[column]):
+        if isinstance(value, str):
+            continue
+        if isinstance(value, list) and value:
+            if lists == "strings" and all(isinstance(item, str) for item in value):
+                continue
+            if lists == "messages" and all(
+                isinstance(item, dict) and isinstance(item.get("role"), str) and isinstance(item.get("content"), str)
+                for item in value
+            ):
+                continue
+        valid = (
+            "a list of {'role': str, 'content': str} messages" if lists == "messages" else "a list of strings (turns)"
+        )
+        shown = "null" if value is None else f"{type(value).__name__} {repr(value)[:60]}"
+        raise ValueError(
+            f"{what}: column {column!r}, row {index} (counting from 0) is {shown}; it must be a string or {valid}"
+        )
 
 
 def _format(template: str, dataset: Dataset, extra_fields: tuple[str, ...] = ()) -> Callable[[dict[str, Any]], str]:

@@ -9,12 +9,15 @@ run itself (the error of the failing hook, raised out of ``trainer.fit``).
 import json
 import re
 import shutil
+import time
 from pathlib import Path
 
 import pytest
 import yaml
 
 from lit_smd.cli import main
+from lit_smd.cli_guards import ConfigExpansionError, check_yaml_expansion
+from lit_smd.models import save_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs/grpo/quickstart_cpu.yaml"
@@ -129,3 +132,63 @@ def test_a_failing_run_leaves_checkpoints_and_the_export_untouched(tiny_dir, tmp
             ]
         )  # fmt: skip
     assert {"export": tree_digest(export), "checkpoints": tree_digest(checkpoints)} == before
+
+
+def _anchor_bomb(levels: int) -> str:
+    """A "billion laughs" YAML document: ``levels`` anchors of nine aliases each, 9**levels strings expanded."""
+    lines = ["a0: &a0 [" + ", ".join(["lol"] * 9) + "]"]
+    lines += [f"a{i}: &a{i} [" + ", ".join([f"*a{i - 1}"] * 9) + "]" for i in range(1, levels)]
+    return "\n".join(lines) + "\n"
+
+
+@pytest.mark.parametrize("subcommand", ["fit", "cache-teacher"])
+def test_a_yaml_anchor_bomb_is_refused_before_it_is_expanded(subcommand, tmp_path, capsys):
+    """9**9 strings would take jsonargparse hours; refused from the composed node graph (shared alias nodes)."""
+    bomb = tmp_path / "bomb.yaml"
+    bomb.write_text(_anchor_bomb(9))
+    start = time.perf_counter()
+    with pytest.raises(SystemExit) as exit_info:
+        main([subcommand, "--config", str(bomb)], run=False)
+    assert time.perf_counter() - start < 30
+    assert exit_info.value.code == 2
+    err = capsys.readouterr().err
+    assert re.search(r"config '.*bomb\.yaml' expands to more than 100000 values once its YAML aliases", err), err
+
+
+def test_the_expansion_count_is_exact_and_ordinary_anchors_pass():
+    """The count of `check_yaml_expansion` against the size of the tree yaml.safe_load builds, at the limit."""
+    text = _anchor_bomb(3)
+
+    def size(value) -> int:
+        if isinstance(value, dict):
+            return 1 + sum(size(k) + size(v) for k, v in value.items())
+        if isinstance(value, list):
+            return 1 + sum(size(v) for v in value)
+        return 1
+
+    expanded = size(yaml.safe_load(text))
+    check_yaml_expansion(text, limit=expanded)
+    with pytest.raises(ConfigExpansionError, match=f"expands to more than {expanded - 1} values"):
+        check_yaml_expansion(text, limit=expanded - 1)
+    check_yaml_expansion(QUICKSTART.read_text())
+
+
+def test_a_checkpoint_of_another_policy_warns_with_both(tiny_dir, dense_config, tmp_path, tree_digest):
+    """LightningCLI resumes with the checkpoint's saved model arguments; the configured policy it drops is named."""
+    other = save_tiny_checkpoint(tmp_path / "other_policy", hidden_size=32)
+    run = tmp_path / "run"
+    size = ["--data.init_args.dataset_kwargs", '{"size": 8}']
+    main(["fit", "--config", str(dense_config), *size, "--trainer.max_steps", "1", "--trainer.enable_checkpointing",
+          "true", "--trainer.default_root_dir", str(run)])  # fmt: skip
+    (checkpoint,) = run.rglob("*.ckpt")
+    before = tree_digest(run)
+    expected = (
+        rf"--ckpt_path {re.escape(str(checkpoint))} was saved with other model arguments, and Lightning resumes with "
+        rf"the checkpoint's: policy: configured '{re.escape(str(other))}', checkpoint '{re.escape(str(tiny_dir))}'"
+    )
+    with pytest.warns(UserWarning, match=expected):
+        cli = main(["fit", "--config", str(dense_config), *size, "--model.init_args.policy", str(other),
+                    "--ckpt_path", str(checkpoint), "--trainer.max_steps", "1",
+                    "--trainer.default_root_dir", str(tmp_path / "resumed")])  # fmt: skip
+    assert cli.model._policy_source == str(tiny_dir)
+    assert tree_digest(run) == before

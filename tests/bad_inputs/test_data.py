@@ -9,6 +9,7 @@ and the rows, at the first rollout that produces one, before any advantage or up
 on losses and gradients is tested in ``tests/modules/test_nonfinite_guard.py``).
 """
 
+import json
 import logging
 import math
 
@@ -116,6 +117,81 @@ def test_empty_data_file_and_bad_task_arguments_are_named(tmp_path, tokenizer):
         RolloutDataModule("arithmetic", tokenizer, [zero_reward], dataset_kwargs={"rows": 4}).setup("fit")
 
 
+# (case, file name, content, regex): data files that cannot be read, named with the file (and line) at setup.
+DATA_FILE_ERRORS = [
+    ("broken jsonl line", "prompts.jsonl", '{"prompt": "1 + 1 ="}\n{"prompt": "2 + 2 ="\n{"prompt": "3 + 3 ="}\n',
+     r"dataset '.*prompts\.jsonl' cannot be read as json: line 2 is not valid JSON \(Expecting ',' delimiter at column "
+     r"21\): '\{\"prompt\": \"2 \+ 2 =\"'"),
+    ("broken json document", "prompts.json", '[\n  {"prompt": "1 + 1 ="},\n  {"prompt": "2 + 2 ="\n]\n',
+     r"dataset '.*prompts\.json' cannot be read as json: line 4 column 1 is not valid JSON"),
+    ("whitespace-only jsonl", "prompts.jsonl", " \n\n\t\n", r"dataset '.*prompts\.jsonl' is an empty file: no rows"),
+    ("whitespace-only csv", "prompts.csv", "\n  \n", r"dataset '.*prompts\.csv' is an empty file: no rows"),
+    ("not parquet", "prompts.parquet", "prompt\n1 + 1 =\n", r"dataset '.*prompts\.parquet' cannot be read as parquet"),
+]  # fmt: skip
+
+# (case, jsonl rows, regex): prompts of a wrong type, named by column and row.
+PROMPT_TYPE_ERRORS = [
+    ("int prompt", [{"prompt": 3}, {"prompt": 4}],
+     r"the prompt dataset: column 'prompt', row 0 \(counting from 0\) is int 3; it must be a string or a list of "
+     r"\{'role': str, 'content': str\} messages"),
+    ("null prompt", [{"prompt": "1 + 1 ="}, {"prompt": None}], r"column 'prompt', row 1 \(counting from 0\) is null"),
+    ("list of strings", [{"prompt": ["1 +", "1 ="]}], r"column 'prompt', row 0 .* is list \['1 \+', '1 ='\]"),
+    ("message without content", [{"prompt": [{"role": "user"}]}], r"column 'prompt', row 0 .* is list \[\{'role'"),
+    ("mixed types", [{"prompt": "1 + 1 ="}, {"prompt": 7}], r"column 'prompt', row 1 \(counting from 0\) is int 7"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("name", "content", "pattern"), [c[1:] for c in DATA_FILE_ERRORS], ids=[c[0] for c in DATA_FILE_ERRORS]
+)
+@pytest.mark.parametrize("datamodule", ["rollout", "distill", "sft"])
+def test_an_unreadable_data_file_is_named(datamodule, name, content, pattern, tmp_path, tokenizer, tree_digest):
+    (tmp_path / name).write_text(content)
+    before = tree_digest(tmp_path)
+    data = _datamodule(datamodule, str(tmp_path / name), tokenizer)
+    with pytest.raises(ValueError, match=pattern):
+        data.setup("fit")
+    assert tree_digest(tmp_path) == before
+
+
+@pytest.mark.parametrize(
+    ("rows", "pattern"), [c[1:] for c in PROMPT_TYPE_ERRORS], ids=[c[0] for c in PROMPT_TYPE_ERRORS]
+)
+@pytest.mark.parametrize("datamodule", ["rollout", "distill", "val"])
+def test_a_prompt_of_the_wrong_type_is_named(datamodule, rows, pattern, tmp_path, tokenizer):
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    if datamodule == "val":
+        data = RolloutDataModule(PROMPTS, tokenizer, [zero_reward], val_dataset=str(path))
+        with pytest.raises(ValueError, match=pattern.replace("the prompt dataset", "the val_dataset")):
+            data.val_dataloader()
+        return
+    with pytest.raises(ValueError, match=pattern):
+        _datamodule(datamodule, str(path), tokenizer).setup("fit")
+
+
+@pytest.mark.parametrize(
+    ("column", "value", "pattern"),
+    [("prompt", 3, r"the train rows: column 'prompt', row 1 \(counting from 0\) is int 3; it must be a string or a "
+                   r"list of strings \(turns\)"),
+     ("solution", None, r"the train rows: column 'solution', row 1 \(counting from 0\) is null")],
+)  # fmt: skip
+def test_sft_rows_of_the_wrong_type_are_named(column, value, pattern, tmp_path, tokenizer):
+    rows = [{"prompt": "1 + 1 =", "solution": "2"}, {"prompt": "2 + 2 =", "solution": "4", column: value}]
+    path = tmp_path / "pairs.jsonl"
+    path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+    with pytest.raises(ValueError, match=pattern):
+        _datamodule("sft", str(path), tokenizer).setup("fit")
+
+
+def _datamodule(kind: str, dataset: str, tokenizer):
+    if kind == "rollout":
+        return RolloutDataModule(dataset, tokenizer, [zero_reward])
+    if kind == "distill":
+        return DistillDataModule(dataset, tokenizer)
+    return SupervisedDataModule(dataset, tokenizer, prompt_column="prompt", target_column="solution")
+
+
 def test_unusable_prompts_are_dropped_with_a_logged_count(tokenizer, tiny_policy, caplog):
     """Too long and too short for SnapKV's window: a logged skip; with too few left for one step, an error."""
     data = RolloutDataModule(
@@ -130,6 +206,50 @@ def test_unusable_prompts_are_dropped_with_a_logged_count(tokenizer, tiny_policy
         ExperienceStream(data, learner)
     assert data.num_filtered["too_short"] == 2
     assert "dropped 2 prompts shorter than the compressor's 8 tokens" in caplog.text
+
+
+# (case, the policy's max_position_embeddings, RolloutDataModule keyword arguments, regex): lengths the policy's
+# context or the free memory cannot hold, refused when the train stream is built, before the first rollout.
+ROLLOUT_LENGTH_ERRORS = [
+    ("max_new_tokens of 1e9", 4096, {"max_new_tokens": 10**9},
+     r"max_new_tokens=1000000000 leaves no room for a prompt in the policy's context of 4096 tokens "
+     r"\(max_position_embeddings\); set max_new_tokens < 4096"),
+    ("prompt and completion past the context", 4096, {"max_new_tokens": 4000, "max_prompt_tokens": 100},
+     r"max_prompt_tokens=100 \+ max_new_tokens=4000 = 4100 tokens exceed the policy's context of 4096 tokens"),
+    ("cache larger than the memory", 2**40, {"max_new_tokens": 10**9},
+     r"the rollout's KV cache alone needs 1907\.3 GiB for 4 sequences \(prompts_per_step \* num_generations\) of up "
+     r"to 8 prompt \+ max_new_tokens=1000000000 tokens, but only [\d.]+ GiB are free on cpu; lower max_new_tokens"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("context", "kwargs", "pattern"), [c[1:] for c in ROLLOUT_LENGTH_ERRORS], ids=[c[0] for c in ROLLOUT_LENGTH_ERRORS]
+)
+def test_rollout_lengths_are_checked_against_the_context_and_memory(context, kwargs, pattern, tokenizer):
+    """The 1907.3 GiB: 4 rows * 2 layers * 2 KV heads * (8 + 1e9) positions * (K + V) * 16 dims * 4 bytes."""
+    data = RolloutDataModule(PROMPTS, tokenizer, [zero_reward], prompts_per_step=2, num_generations=2,
+                             use_chat_template=False, **kwargs)  # fmt: skip
+    policy = build_tiny_model("qwen3", tokenizer=tokenizer, max_position_embeddings=context)
+    with pytest.raises(ValueError, match=pattern):
+        ExperienceStream(data, GRPOModule(policy, mode="dense"))
+
+
+def test_max_new_tokens_past_the_context_stops_fit_before_the_first_rollout(tmp_path, tokenizer, tree_digest):
+    checkpoints = tmp_path / "checkpoints"
+    checkpoints.mkdir()
+    (checkpoints / "last.ckpt").write_bytes(b"an earlier run's checkpoint")
+    before = tree_digest(checkpoints)
+    data = RolloutDataModule(PROMPTS, tokenizer, [zero_reward], prompts_per_step=2, num_generations=2,
+                             max_new_tokens=10**9, use_chat_template=False)  # fmt: skip
+    trainer = L.Trainer(
+        max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False, enable_model_summary=False,
+        callbacks=[ModelCheckpoint(dirpath=checkpoints, save_last=True, every_n_train_steps=1)],
+    )  # fmt: skip
+    policy = build_tiny_model("qwen3", tokenizer=tokenizer)
+    with pytest.raises(ValueError, match=r"max_new_tokens=1000000000 leaves no room for a prompt"):
+        trainer.fit(GRPOModule(policy, mode="dense"), data)
+    assert trainer.global_step == 0 and data.stream is None
+    assert tree_digest(checkpoints) == before
 
 
 # (case, DistillDataModule keyword arguments, method called, regex)

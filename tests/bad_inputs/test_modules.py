@@ -5,7 +5,11 @@ Constructor errors are raised in ``__init__``, before any model is loaded (a pat
 tokenizer / vocabulary check runs in ``on_fit_start``, before the first rollout or step.
 """
 
+import json
 import math
+import re
+import shutil
+from pathlib import Path
 
 import lightning as L
 import pytest
@@ -14,7 +18,13 @@ from datasets import Dataset
 
 from lit_smd.datamodules import DistillDataModule, RolloutDataModule, SupervisedDataModule
 from lit_smd.kv import SnapKV
-from lit_smd.models import build_tiny_model, build_tiny_tokenizer
+from lit_smd.models import (
+    build_tiny_model,
+    build_tiny_tokenizer,
+    load_causal_lm,
+    load_tokenizer,
+    save_tiny_checkpoint,
+)
 from lit_smd.modules import DistillModule, GRPOModule, SFTModule
 from lit_smd.rollout import generate
 
@@ -90,6 +100,65 @@ def test_model_arguments_must_be_loadable(module, policy, pattern, tiny_policy):
         make()
 
 
+def _damaged_copies(tiny_dir: Path, root: Path) -> dict[str, Path]:
+    """Copies of the tiny checkpoint, each broken in one way a copy or an export interrupted part-way leaves it."""
+    empty = root / "empty"
+    empty.mkdir()
+    no_weights = Path(shutil.copytree(tiny_dir, root / "no_weights"))
+    (no_weights / "model.safetensors").unlink()
+    truncated = Path(shutil.copytree(tiny_dir, root / "truncated"))
+    weights = truncated / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    bad_config = Path(shutil.copytree(tiny_dir, root / "bad_config"))
+    (bad_config / "config.json").write_text('{"model_type": "qwen3", ')
+    sharded = Path(shutil.copytree(tiny_dir, root / "sharded"))
+    (sharded / "model.safetensors").rename(sharded / "model-00001-of-00002.safetensors")
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+    return {
+        "file": tiny_dir / "model.safetensors", "empty": empty, "no_weights": no_weights, "truncated": truncated,
+        "bad_config": bad_config, "sharded": sharded,
+    }  # fmt: skip
+
+
+# (case, which damaged copy of `_damaged_copies`, regex): local folders that cannot load, named at construction.
+MODEL_FOLDER_ERRORS = [
+    ("a file, not a folder", "file",
+     r"policy='.*model\.safetensors' is a file; pass the folder written by save_pretrained that holds it"),
+    ("empty folder", "empty", r"policy='.*empty' has no config\.json, the model's config"),
+    ("no weights", "no_weights", r"policy='.*no_weights' has no weights: none of \['model\.safetensors', .*\]"),
+    ("truncated weights", "truncated",
+     r"policy: .*truncated/model\.safetensors is \d+ bytes but its header describes \d+ bytes: truncated or corrupt"),
+    ("truncated config", "bad_config", r"policy: .*bad_config/config\.json is not valid JSON"),
+    ("missing shard", "sharded",
+     r"model\.safetensors\.index\.json lists the weight shards \['model-00002-of-00002\.safetensors'\], missing"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("case", "pattern"), [c[1:] for c in MODEL_FOLDER_ERRORS], ids=[c[0] for c in MODEL_FOLDER_ERRORS]
+)
+def test_a_damaged_policy_folder_is_named_before_loading(case, pattern, tiny_dir, tmp_path, tree_digest):
+    """Raised by the module's constructor and by `load_causal_lm` itself; the folders are only read."""
+    path = _damaged_copies(tiny_dir, tmp_path)[case]
+    before = tree_digest(tmp_path)
+    with pytest.raises(ValueError, match=pattern):
+        GRPOModule(str(path), mode="dense")
+    with pytest.raises(ValueError, match=pattern.replace("policy", "name_or_path", 1)):
+        load_causal_lm(str(path))
+    assert tree_digest(tmp_path) == before
+
+
+def test_a_tokenizer_folder_without_tokenizer_files_is_named(tiny_dir, tmp_path):
+    weights_only = Path(shutil.copytree(tiny_dir, tmp_path / "weights_only"))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (weights_only / name).unlink()
+    with pytest.raises(ValueError, match=r"tokenizer='.*weights_only' is a folder without tokenizer files"):
+        load_tokenizer(str(weights_only))
+    with pytest.raises(ValueError, match=r"tokenizer='.*tokenizer\.json' is a file; pass the folder"):
+        load_tokenizer(str(tiny_dir / "tokenizer.json"))
+
+
 # (case, DistillModule keyword arguments besides student and teacher, regex)
 DISTILL_ERRORS = [
     ("unknown prefix_source", {"prefix_source": "both"}, r"prefix_source must be 'teacher', 'student' or 'mix'"),
@@ -133,6 +202,30 @@ def test_distill_module_checks_models_and_lengths_before_training(tiny_policy):
         DistillModule(tiny_policy, tiny_policy, estimator="topk", top_k=200).configure_model()
     with pytest.raises(ValueError, match=r"max_new_tokens must be an integer >= 1, got 0"):
         DistillModule(tiny_policy, tiny_policy).set_max_new_tokens(0)
+    with pytest.raises(ValueError, match=r"max_new_tokens=4096 leaves no room for a prompt in the student's context "
+                                         r"of 4096 tokens"):  # fmt: skip
+        DistillModule(tiny_policy, tiny_policy).set_max_new_tokens(4096)
+
+
+def test_distill_prompts_past_the_student_context_fail_at_fit_start(tokenizer):
+    """Online prefixes: max_new_tokens past the student's context, or prompts longer than what it leaves, are named
+    before the first generation."""
+    student = build_tiny_model("qwen3", tokenizer=tokenizer, max_position_embeddings=12)
+    teacher = build_tiny_model("qwen3", tokenizer=tokenizer, seed=1)
+    rows = Dataset.from_dict({"prompt": ["1 + 2 =", "40 + 56 =", "7 + 8 ="]})
+
+    def fit(module_kwargs, data_kwargs):
+        data = DistillDataModule(rows, tokenizer, batch_size=2, use_chat_template=False, **data_kwargs)
+        trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                            enable_checkpointing=False, enable_model_summary=False)  # fmt: skip
+        trainer.fit(DistillModule(student, teacher, prefix_source="student", **module_kwargs), data)
+
+    with pytest.raises(ValueError, match=r"3 prompts are longer than the 4 tokens the student's context leaves after "
+                                         r"max_new_tokens=8; set the data's max_prompt_tokens <= 4"):  # fmt: skip
+        fit({"max_new_tokens": 8}, {})
+    with pytest.raises(ValueError, match=r"max_prompt_tokens=8 \+ max_new_tokens=8 = 16 tokens exceed the student's "
+                                         r"context of 12 tokens"):  # fmt: skip
+        fit({"max_new_tokens": 8}, {"max_prompt_tokens": 8})
 
 
 # (case, SFTModule keyword arguments besides the policy, regex)
@@ -232,3 +325,38 @@ def test_a_tokenizer_larger_than_the_model_fails_at_fit_start(case, pattern):
     )  # fmt: skip
     with pytest.raises(ValueError, match=pattern):
         trainer.fit(module, data)
+
+
+def test_a_checkpoint_of_another_policy_warns_and_one_of_another_size_is_named(tiny_dir, tmp_path, tree_digest):
+    """Resuming through the Python API (the CLI warns earlier, `tests/bad_inputs/test_cli.py`): a checkpoint saved
+    with another policy source warns with both; one whose weights have other shapes fails before loading them."""
+    tokenizer = build_tiny_tokenizer()
+    rows = Dataset.from_dict({"prompt": ["1 + 2 =", "4 + 5 ="]})
+
+    def fit(policy: str, ckpt_path: str | None = None) -> L.Trainer:
+        data = RolloutDataModule(rows, tokenizer, [lambda prompts, completions, **kw: [0.0] * len(completions)],
+                                 prompts_per_step=2, num_generations=2, max_new_tokens=2, use_chat_template=False)
+        trainer = L.Trainer(max_steps=1, accelerator="cpu", logger=False, enable_progress_bar=False,
+                            enable_model_summary=False, default_root_dir=tmp_path / "run")  # fmt: skip
+        trainer.fit(GRPOModule(policy, mode="dense"), data, ckpt_path=ckpt_path)
+        return trainer
+
+    fit(str(tiny_dir))
+    (checkpoint,) = (tmp_path / "run").rglob("*.ckpt")
+    before = tree_digest(tmp_path / "run")
+    same_size = Path(shutil.copytree(tiny_dir, tmp_path / "same_size_copy"))
+    warning = (
+        rf"the checkpoint was saved with policy='{re.escape(str(tiny_dir))}' but this module is configured with "
+        rf"policy='{re.escape(str(same_size))}'"
+    )
+    with pytest.warns(UserWarning, match=warning):
+        fit(str(same_size), str(checkpoint))
+    smaller = save_tiny_checkpoint(tmp_path / "smaller", hidden_size=32)
+    pattern = (
+        r"the checkpoint's weights do not fit the configured policy: policy\.model\.embed_tokens\.weight is "
+        rf"\(103, 64\) in the checkpoint \(policy='{re.escape(str(tiny_dir))}'\) but \(103, 32\) in the configured "
+        rf"policy='{re.escape(str(smaller))}' \(another model size\)"
+    )
+    with pytest.raises(ValueError, match=pattern):
+        fit(str(smaller), str(checkpoint))
+    assert tree_digest(tmp_path / "run") == before
