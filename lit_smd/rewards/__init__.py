@@ -1,5 +1,6 @@
 """Reward functions with TRL's keyword signature, and a weighted combination of them."""
 
+from lit_smd.rewards.chain import chain_hops_reward, correct_leading_hops
 from lit_smd.rewards.combine import RewardFn, RewardOutput, WeightedRewards
 from lit_smd.rewards.math_answer import answers_match, extract_answer, extract_boxed, math_answer_reward
 from lit_smd.rewards.text import (
@@ -19,6 +20,8 @@ __all__ = [
     "RewardOutput",
     "WeightedRewards",
     "answers_match",
+    "chain_hops_reward",
+    "correct_leading_hops",
     "extract_answer",
     "extract_boxed",
     "math_answer_reward",

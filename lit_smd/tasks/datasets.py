@@ -26,7 +26,7 @@ from datasets import Dataset, load_dataset
 from transformers import PreTrainedTokenizerBase
 
 from lit_smd.rewards.math_answer import extract_answer, extract_boxed
-from lit_smd.tasks.synthetic import arithmetic, key_value_retrieval
+from lit_smd.tasks.synthetic import arithmetic, key_value_retrieval, multi_hop_chain
 
 logger = logging.getLogger(__name__)
 
@@ -243,6 +243,7 @@ TASKS: dict[str, Callable[..., Dataset]] = {
     "hotpotqa": hotpotqa,
     "key_value_retrieval": key_value_retrieval,
     "math": competition_math,
+    "multi_hop_chain": multi_hop_chain,
     "tldr": tldr,
 }
 
