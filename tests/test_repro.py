@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from lit_smd.cli import main
+from lit_smd.kv import RecentWindow
 from lit_smd.models import build_tiny_tokenizer, load_causal_lm, load_tokenizer, save_tiny_checkpoint
-from lit_smd.rewards import math_answer_reward
+from lit_smd.rewards import chain_hops_reward, math_answer_reward
 
 REPRO = Path(__file__).resolve().parents[1] / "benchmarks" / "repro"
 
@@ -210,3 +211,29 @@ def test_run_cells_refuses_results_of_other_settings(repro, tmp_path):
     stored = {"cell": {**asdict(cell), "meta": {"seed": 0, "placed": "elsewhere"}}}  # placement is not a setting
     done.write_text(json.dumps(stored))
     assert runner.run_cells([cell], tmp_path, jobs=1) == {"x": stored}  # done: not rerun
+
+
+def test_chain_evaluation_matches_an_independent_decode_and_measures_mismatch_by_position(repro, tmp_path):
+    evaluate = repro["evaluate"]
+    path = save_tiny_checkpoint(tmp_path / "policy", seed=3, initializer_range=0.35)
+    model, tokenizer = load_causal_lm(str(path), dtype=torch.float32), load_tokenizer(str(path))
+    settings = evaluate.EvalSettings(num_prompts=3, num_samples=2, batch_size=2, task="chain", max_new_tokens=6,
+                                     num_hops=6, num_nodes=10)  # fmt: skip
+    prompts, answers = evaluate.heldout_prompts(settings)
+    assert [len(a) for a in answers] == [6, 6, 6]
+    reference = load_causal_lm(str(path), dtype=torch.float32, attn_implementation="eager")
+    texts = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        out = reference.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+        texts.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    expected = chain_hops_reward(prompts, texts, answers)
+    compressor = RecentWindow(12, sinks=1)
+    result = evaluate.evaluate_policy(model, tokenizer, settings, compressor=compressor)
+    assert result["greedy_accuracy"] == pytest.approx(sum(expected) / len(expected))
+    positions = result["mismatch_by_position"]
+    assert len(positions) == 6 and result["visible_fraction"] < 1
+    assert positions[0] < 1e-5  # the first token is sampled right after the dense prefill
+    assert max(positions) > 1e-3  # later ones from the evicted cache, scored densely
+    dense = evaluate.evaluate_policy(model, tokenizer, settings)
+    assert "mismatch_by_position" not in dense and dense["visible_fraction"] == 1.0
