@@ -47,6 +47,9 @@ def test_every_kind_of_cell_is_a_valid_cli_command(repro, tmp_path, task):
     smd.configure(task)
     save_tiny_checkpoint(smd.warmup_policy(tmp_path, 0))
     save_tiny_checkpoint(distill.teacher_policy(tmp_path), hidden_size=96, num_layers=2, num_heads=6, seed=1)
+    if task == "chain":  # the chain's warm-ups start from the retrieval ones
+        save_tiny_checkpoint(tmp_path / "policies" / "retrieval-warmup-seed0")
+        save_tiny_checkpoint(tmp_path / "policies" / "teacher-retrieval", hidden_size=96, num_heads=6, seed=1)
     for cell in distill.distill_cells(tmp_path, [0], list(distill.CELLS), steps=3):
         save_tiny_checkpoint(tmp_path / "policies" / cell.name)
     cells = smd.grpo_cells(tmp_path, [0], [0.5, 0.3], list(smd.SELECTIONS), steps=3)
@@ -58,16 +61,27 @@ def test_every_kind_of_cell_is_a_valid_cli_command(repro, tmp_path, task):
     cells += distill.distill_cells(tmp_path, [0], list(distill.CELLS), steps=3)
     rl = distill.rl_cells(tmp_path, [0], list(distill.CELLS), steps=3)
     assert len(rl) == 2 * (1 + len(distill.CELLS))  # dense GRPO and SMD-GRPO after each cell and after none
-    cells += rl + [smd.warmup_cell(tmp_path, 0, max_steps=3), distill.teacher_cell(tmp_path, max_steps=3)]
+    cells += rl + [cell for stage in smd.warmup_stages(tmp_path, [0], max_steps=3) for cell in stage]
+    cells += [distill.teacher_cell(tmp_path, max_steps=3)]
+    if task == "chain":
+        cells += [distill.teacher_cell(tmp_path, max_steps=3, stage="retrieval")]
+        assert [c.name for c in smd.warmup_stages(tmp_path, [0])[0]] == ["retrieval-warmup-seed0"]
     checked = set()
     for cell in cells:
         meta = cell.meta
-        kind = (meta.get("kind"), meta.get("mode"), meta.get("rl"), meta.get("selection"), meta.get("cell", "")[:7])
+        kind = (meta.get("kind"), meta.get("mode"), meta.get("rl"), meta.get("selection"), meta.get("cell", "")[:7],
+                cell.name.split("-")[0])
         if kind in checked:
             continue
         checked.add(kind)
         assert cell.argv[0] == "fit"
         assert cell.eval_settings["task"] == task
+        if meta.get("kind") in ("warmup", "teacher") and not cell.name.startswith(("retrieval", "teacher-retrieval")):
+            dataset = "multi_hop_chain" if task == "chain" else "key_value_retrieval"
+            assert cell.argv[cell.argv.index("--model.init_args.export_dir") + 1].startswith(str(tmp_path))
+            cli = main(cell.argv[1:], run=False)
+            assert cli.datamodule.dataset == dataset
+            continue
         cli = main(cell.argv[1:], run=False)  # parse and instantiate only (the subcommand is implied)
         module = cli.model
         if meta.get("mode") or meta.get("rl"):

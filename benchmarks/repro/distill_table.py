@@ -52,7 +52,6 @@ from smd_table import (  # noqa: E402
     dense_cell,
     plot_smoothed,
     save_figure,
-    warmup_cell,
     warmup_policy,
 )
 
@@ -77,20 +76,27 @@ def teacher_policy(out: Path) -> Path:
     return out / "policies" / "teacher"
 
 
-def teacher_cell(out: Path, max_steps: int | None) -> Cell:
-    """The teacher's supervised training (a wider model, trained to 0.9 greedy accuracy)."""
+def teacher_cell(out: Path, max_steps: int | None, stage: str | None = None) -> Cell:
+    """The teacher's supervised training (a wider model, trained to 0.9 greedy accuracy). On the chain task it starts
+    from a retrieval-trained teacher of the same width, ``stage="retrieval"`` (as the students start from their
+    retrieval warm-ups, see `smd_table.warmup_cell`)."""
     cap = [] if max_steps is None else ["--trainer.max_steps", str(max_steps)]
-    warmup = [arg for path in TASKS[smd_table._TASK["name"]]["warmup"] for arg in ("--config", str(path))]
+    task = "retrieval" if stage == "retrieval" else smd_table._TASK["name"]
+    name = "teacher-retrieval" if stage == "retrieval" else "teacher"
+    warmup = [arg for path in TASKS[task]["warmup"] for arg in ("--config", str(path))]
+    init = ["--model.init_args.policy.init_args.seed", "100"]
+    if task == "chain":
+        start = out / "policies" / "teacher-retrieval"
+        init = ["--model.init_args.policy", str(start), "--data.init_args.tokenizer", str(start)]
     return Cell(
-        name="teacher",
+        name=name,
         argv=[
-            "fit", *warmup, "--config", str(HERE / "configs/teacher_sft.yaml"),
-            "--model.init_args.policy.init_args.seed", "100",
-            "--model.init_args.export_dir", str(teacher_policy(out)), "--trainer.logger.init_args.save_dir",
-            str(out / "runs"), "--trainer.logger.init_args.name", "teacher", "--trainer.logger.init_args.version", "0",
+            "fit", *warmup, "--config", str(HERE / "configs/teacher_sft.yaml"), *init,
+            "--model.init_args.export_dir", str(out / "policies" / name), "--trainer.logger.init_args.save_dir",
+            str(out / "runs"), "--trainer.logger.init_args.name", name, "--trainer.logger.init_args.version", "0",
             "--trainer.enable_progress_bar", "false", *cap,
         ],
-        eval_settings=dict(EVAL), meta={"kind": "teacher"},
+        eval_attribute=None if stage else "policy", eval_settings=dict(EVAL), meta={"kind": "teacher"},
     )  # fmt: skip
 
 
@@ -277,9 +283,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             setattr(args, name, value)
     out = Path(args.out)
     configure(args.task, args.eval_prompts, args.quick)
-    first = [teacher_cell(out, args.warmup_max_steps)]
-    first += [warmup_cell(out, seed, args.warmup_max_steps) for seed in args.seeds]
-    results = run_cells(first, out, args.jobs)
+    *earlier, last = smd_table.warmup_stages(out, args.seeds, args.warmup_max_steps)
+    if earlier:  # the chain: retrieval warm-ups (and the retrieval teacher) first
+        run_cells([teacher_cell(out, args.warmup_max_steps, stage="retrieval"), *earlier[0]], out, args.jobs)
+    results = run_cells([teacher_cell(out, args.warmup_max_steps), *last], out, args.jobs)
     results |= run_cells(distill_cells(out, args.seeds, args.cells, args.distill_steps), out, args.jobs)
     results |= run_cells(rl_cells(out, args.seeds, args.cells, args.rl_steps), out, args.jobs)
     compressed_start_accuracy(out, results)

@@ -10,8 +10,8 @@ Setup (what the SMD paper's table compares, at CPU scale)
       `lit_smd.rewards.chain_hops_reward`), where errors compound over the completion and Sparse-RL's sequence veto
       has something to act on.
     - Policy: the quickstart's tiny Qwen3 (2 layers, hidden 64) after a supervised warm-up on the task
-      (``configs/sft/quickstart_warmup.yaml``, plus ``configs/chain_sft.yaml`` here for the chain), one warm-up per
-      seed (initialisation and sampling seeds vary, the data does not).
+      (``configs/sft/quickstart_warmup.yaml``; for the chain that warm-up, then ``configs/chain_sft.yaml`` from it),
+      one warm-up per seed (initialisation and sampling seeds vary, the data does not).
     - RL: ``configs/grpo/quickstart_cpu.yaml`` (plus ``configs/chain_grpo.yaml`` for the chain) with the mode,
       compressor and ``kl_coef`` of the cell, ``--steps`` optimizer steps. ``naive`` is the standard learner (ratio
       against the dense policy before the update, 1 on the first pass). Budgets: 50% compression keeps
@@ -127,20 +127,47 @@ def warmup_policy(out: Path, seed: int) -> Path:
     return out / "policies" / f"warmup-seed{seed}"
 
 
-def warmup_cell(out: Path, seed: int, max_steps: int | None = None) -> Cell:
-    """The task's supervised warm-up with initialisation and sampling seed ``seed`` (``max_steps``: its cap)."""
+def warmup_cell(out: Path, seed: int, max_steps: int | None = None, stage: str | None = None) -> Cell:
+    """A supervised warm-up with initialisation and sampling seed ``seed`` (``max_steps``: its cap).
+
+    ``stage`` None is the task's warm-up (``warmup-seed<seed>``, exported to `warmup_policy`). The chain task starts
+    it from the retrieval warm-up of the same seed, ``stage="retrieval"`` (``retrieval-warmup-seed<seed>``): from
+    scratch a tiny model stays near chance on 40-pair chains for hundreds of steps, while the lookup circuit of the
+    retrieval warm-up carries over within ~200 (docs/results/README.md). That first stage is not evaluated.
+    """
+    task = _TASK["name"]
     cap = [] if max_steps is None else ["--trainer.max_steps", str(max_steps)]
+    if stage == "retrieval":
+        name, configs, init, export = (f"retrieval-warmup-seed{seed}", TASKS["retrieval"]["warmup"],
+                                       ["--model.init_args.policy.init_args.seed", str(seed)],
+                                       out / "policies" / f"retrieval-warmup-seed{seed}")  # fmt: skip
+    elif stage is None:
+        name, configs, export = f"warmup-seed{seed}", TASKS[task]["warmup"], warmup_policy(out, seed)
+        init = ["--model.init_args.policy.init_args.seed", str(seed)]
+        if task == "chain":
+            start = out / "policies" / f"retrieval-warmup-seed{seed}"
+            init = ["--model.init_args.policy", str(start), "--data.init_args.tokenizer", str(start)]
+    else:
+        raise ValueError(f"stage must be None or 'retrieval', got {stage!r}")
     return Cell(
-        name=f"warmup-seed{seed}",
+        name=name,
         argv=[
-            "fit", *_configs(TASKS[_TASK["name"]]["warmup"]), "--seed_everything", str(seed),
-            "--model.init_args.policy.init_args.seed", str(seed),
-            "--model.init_args.export_dir", str(warmup_policy(out, seed)),
+            "fit", *_configs(configs), "--seed_everything", str(seed), *init,
+            "--model.init_args.export_dir", str(export),
             "--trainer.logger.init_args.save_dir", str(out / "runs"), "--trainer.logger.init_args.name",
-            f"warmup-seed{seed}", "--trainer.logger.init_args.version", "0", *_QUIET, *cap,
+            name, "--trainer.logger.init_args.version", "0", *_QUIET, *cap,
         ],
-        eval_attribute="policy", eval_settings=dict(EVAL), seed=seed, meta={"kind": "warmup", "seed": seed},
+        eval_attribute=None if stage else "policy", eval_settings=dict(EVAL), seed=seed,
+        meta={"kind": "warmup", "seed": seed},
     )  # fmt: skip
+
+
+def warmup_stages(out: Path, seeds: list[int], max_steps: int | None = None) -> list[list[Cell]]:
+    """The warm-up cells in the order they must run: the retrieval warm-up first when the task is the chain."""
+    stages = [[warmup_cell(out, seed, max_steps) for seed in seeds]]
+    if _TASK["name"] == "chain":
+        stages.insert(0, [warmup_cell(out, seed, max_steps, stage="retrieval") for seed in seeds])
+    return stages
 
 
 def grpo_argv(out: Path, name: str, policy: Path, seed: int, steps: int, overrides: list[str]) -> list[str]:
@@ -503,7 +530,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             setattr(args, name, value)
     out = Path(args.out)
     configure(args.task, args.eval_prompts, args.quick)
-    run_cells([warmup_cell(out, seed, args.warmup_max_steps) for seed in args.seeds], out, args.jobs)
+    for stage in warmup_stages(out, args.seeds, args.warmup_max_steps):
+        run_cells(stage, out, args.jobs)
     compressed_modes = [m for m in args.modes if m != "dense"]
     initial = initial_accuracy(out, args.seeds, args.budgets if compressed_modes else [], args.selections)
     cells = grpo_cells(out, args.seeds, args.budgets, args.selections, args.steps, tuple(args.modes),
