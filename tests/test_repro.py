@@ -251,3 +251,26 @@ def test_chain_evaluation_matches_an_independent_decode_and_measures_mismatch_by
     assert max(positions) > 1e-3  # later ones from the evicted cache, scored densely
     dense = evaluate.evaluate_policy(model, tokenizer, settings)
     assert "mismatch_by_position" not in dense and dense["visible_fraction"] == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["retrieval", "chain"])
+def test_quick_reproduction_runs_the_smallest_cell_end_to_end(repro, tmp_path, task):
+    """``smd_table.py --quick``: the warm-up(s), the before-RL evaluation and one SMD cell in subprocesses, then the
+    table, the comparisons and the JSON; a second invocation reruns nothing (minutes on 2 loaded cores)."""
+    smd = repro["smd"]
+    argv = ["--quick", "--task", task, "--modes", "smd", "--out", str(tmp_path), "--jobs", "1"]
+    summary = smd.main(argv)
+    (row,) = summary["rows"]
+    assert (row["mode"], row["lambda"], row["seeds"], row["compression"]) == ("smd", 0.1, [0], "50%")
+    cell = json.loads((tmp_path / "cells" / "smd-lam0.1-snapkv-b0.5-seed0.json").read_text())
+    width = 32 if task == "chain" else 2
+    assert cell["global_step"] == 2 and {"eval", "eval_dense"} <= cell.keys()
+    assert len(cell["eval"]["mismatch_by_position"]) == width and "mismatch_by_position" not in cell["eval_dense"]
+    assert cell["eval"]["visible_fraction"] < 1 == cell["eval_dense"]["visible_fraction"]
+    assert len(row["served_mismatch_by_position"]) == width
+    for name in ("smd_table.md", "smd_comparisons.md", "smd_table.json", "smd_mismatch_positions_b0.5.png"):
+        assert (tmp_path / name).is_file(), name
+    stamp = (tmp_path / "cells" / "smd-lam0.1-snapkv-b0.5-seed0.json").stat().st_mtime_ns
+    assert smd.main(argv)["rows"] == summary["rows"]  # resumed: nothing rerun
+    assert (tmp_path / "cells" / "smd-lam0.1-snapkv-b0.5-seed0.json").stat().st_mtime_ns == stamp
