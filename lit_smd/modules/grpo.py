@@ -9,7 +9,7 @@ Algorithm
 
     Rollouts are sampled with a compressed KV cache (`lit_smd.rollout.generate` with a compressor): the sampler is the
     *sparse* policy ``mu = pi_theta(. | x, M)``, where ``M`` is the shadow mask, the record of which keys each
-    generated token could see. The four modes differ in the learner's view and the correction:
+    generated token could see. The modes differ in the learner's view and the correction:
 
     ==========  ==========  ==========================  ================================================================
     mode        rollout     learner (with gradient)     ratio denominator and correction
