@@ -6,6 +6,7 @@ The reproduction itself takes most of an hour (docs/results/README.md); these te
 """
 
 import json
+import math
 import sys
 from dataclasses import asdict
 from pathlib import Path
@@ -14,60 +15,92 @@ import pytest
 import torch
 
 from lit_smd.cli import main
+from lit_smd.kv import RecentWindow
 from lit_smd.models import build_tiny_tokenizer, load_causal_lm, load_tokenizer, save_tiny_checkpoint
-from lit_smd.rewards import math_answer_reward
+from lit_smd.rewards import chain_hops_reward, math_answer_reward
 
 REPRO = Path(__file__).resolve().parents[1] / "benchmarks" / "repro"
 
 
 @pytest.fixture(scope="module")
 def repro():
-    """The reproduction's modules (`smd_table`, `distill_table`, `_runner`, `_evaluate`) by name."""
+    """The reproduction's modules (`smd_table`, `distill_table`, `gpu_table`, `_runner`, `_evaluate`, `_stats`)."""
     sys.path.insert(0, str(REPRO))
     try:
         import _evaluate
         import _runner
+        import _stats
         import distill_table
+        import gpu_table
         import smd_table
 
-        yield {"smd": smd_table, "distill": distill_table, "runner": _runner, "evaluate": _evaluate}
+        yield {"smd": smd_table, "distill": distill_table, "gpu": gpu_table, "runner": _runner,
+               "evaluate": _evaluate, "stats": _stats}  # fmt: skip
     finally:
         sys.path.remove(str(REPRO))
+        smd_table.configure("retrieval")  # module state of the invocation: back to the default
 
 
-def test_every_kind_of_cell_is_a_valid_cli_command(repro, tmp_path):
+@pytest.mark.parametrize("task", ["retrieval", "chain"])
+def test_every_kind_of_cell_is_a_valid_cli_command(repro, tmp_path, task):
     smd, distill = repro["smd"], repro["distill"]
+    smd.configure(task)
     save_tiny_checkpoint(smd.warmup_policy(tmp_path, 0))
     save_tiny_checkpoint(distill.teacher_policy(tmp_path), hidden_size=96, num_layers=2, num_heads=6, seed=1)
+    if task == "chain":  # the chain's warm-ups start from the retrieval ones
+        save_tiny_checkpoint(tmp_path / "policies" / "retrieval-warmup-seed0")
+        save_tiny_checkpoint(tmp_path / "policies" / "teacher-retrieval", hidden_size=96, num_heads=6, seed=1)
     for cell in distill.distill_cells(tmp_path, [0], list(distill.CELLS), steps=3):
         save_tiny_checkpoint(tmp_path / "policies" / cell.name)
     cells = smd.grpo_cells(tmp_path, [0], [0.5, 0.3], list(smd.SELECTIONS), steps=3)
-    assert len(cells) == 1 + 2 * (3 * 2 + len(smd.LAMBDAS) + 2)  # dense; per budget naive+sparse_rl x 3, smd x 5
+    # dense; at 50%: SnapKV naive + sparse_rl + smd x 3 lambdas, recent and random naive + sparse_rl + smd; at 70%:
+    # SnapKV only
+    assert len(cells) == 1 + (2 + len(smd.LAMBDAS)) + 2 * 3 + (2 + len(smd.LAMBDAS))
     assert len({cell.name for cell in cells}) == len(cells)
+    assert all(c.meta["selection"] == "snapkv" for c in cells if c.meta.get("budget") == 0.3)
     cells += distill.distill_cells(tmp_path, [0], list(distill.CELLS), steps=3)
-    cells += distill.rl_cells(tmp_path, [0], list(distill.CELLS), steps=3)
-    cells += [smd.warmup_cell(tmp_path, 0, max_steps=3), distill.teacher_cell(tmp_path, max_steps=3)]
+    rl = distill.rl_cells(tmp_path, [0], list(distill.CELLS), steps=3)
+    assert len(rl) == 2 * (1 + len(distill.CELLS))  # dense GRPO and SMD-GRPO after each cell and after none
+    cells += rl + [cell for stage in smd.warmup_stages(tmp_path, [0], max_steps=3) for cell in stage]
+    cells += [distill.teacher_cell(tmp_path, max_steps=3)]
+    if task == "chain":
+        cells += [distill.teacher_cell(tmp_path, max_steps=3, stage="retrieval")]
+        assert [c.name for c in smd.warmup_stages(tmp_path, [0])[0]] == ["retrieval-warmup-seed0"]
     checked = set()
     for cell in cells:
         meta = cell.meta
-        kind = (meta.get("kind"), meta.get("mode"), meta.get("selection"), meta.get("cell", "")[:7])
+        kind = (meta.get("kind"), meta.get("mode"), meta.get("rl"), meta.get("selection"), meta.get("cell", "")[:7],
+                cell.name.split("-")[0])
         if kind in checked:
             continue
         checked.add(kind)
         assert cell.argv[0] == "fit"
+        assert cell.eval_settings["task"] == task
+        if meta.get("kind") in ("warmup", "teacher") and not cell.name.startswith(("retrieval", "teacher-retrieval")):
+            dataset = "multi_hop_chain" if task == "chain" else "key_value_retrieval"
+            assert cell.argv[cell.argv.index("--model.init_args.export_dir") + 1].startswith(str(tmp_path))
+            cli = main(cell.argv[1:], run=False)
+            assert cli.datamodule.dataset == dataset
+            continue
         cli = main(cell.argv[1:], run=False)  # parse and instantiate only (the subcommand is implied)
         module = cli.model
-        if meta.get("mode"):
-            assert module.mode == meta["mode"]
-            assert (module.compressor is None) == (meta["mode"] == "dense")
-            if meta["mode"] == "smd":
+        if meta.get("mode") or meta.get("rl"):
+            mode = meta.get("mode") or meta["rl"]
+            assert module.mode == mode
+            assert (module.compressor is None) == (mode == "dense")
+            if mode == "smd" and "lambda" in meta:
                 assert module.kl_coef == meta["lambda"]
             if meta.get("selection") == "recent":
                 assert type(module.compressor).__name__ == "RecentWindow"
+            assert cli.datamodule.dataset == ("multi_hop_chain" if task == "chain" else "key_value_retrieval")
+            if task == "chain":
+                assert cli.datamodule.max_new_tokens == 32
         if meta.get("kind") == "distill":
             assert module.prefix_source == meta["prefix"]
             curriculum = [cb for cb in cli.trainer.callbacks if type(cb).__name__ == "EntropyCurriculum"]
             assert bool(curriculum) == meta["cell"].endswith("+curriculum")
+            if curriculum and task == "chain":
+                assert curriculum[0].lengths == [8, 16, 32]
         assert cli.trainer.max_steps == 3
     assert len(checked) >= 8
 
@@ -99,24 +132,83 @@ def _result(name: str, meta: dict, scalars: dict, accuracy: float) -> dict:
             "eval": {"accuracy": accuracy, "greedy_accuracy": accuracy / 2}}  # fmt: skip
 
 
-def test_smd_table_aggregates_seeds(repro):
+def test_t_quantile_and_interval_against_hand_computed_values(repro):
+    stats = repro["stats"]
+    assert stats.t_quantile(0.95, 1) == pytest.approx(math.tan(0.475 * math.pi), rel=1e-12)  # Cauchy: tan(pi p / 2)
+    assert stats.t_quantile(0.95, 2) == pytest.approx(math.sqrt(2 * 0.95**2 / (1 - 0.95**2)), rel=1e-12)  # closed form
+    assert stats.t_quantile(0.95, 4) == pytest.approx(2.776, abs=5e-4)  # the printed tables
+    assert stats.t_quantile(0.95, 9) == pytest.approx(2.262, abs=5e-4)
+    assert stats.t_quantile(0.99, 5) == pytest.approx(4.032, abs=5e-4)
+    interval = stats.mean_interval([0.2, None, 0.4, 0.6])  # s = 0.2, n = 3: 4.302653 * 0.2 / sqrt(3) = 0.496828
+    assert interval.n == 3 and interval.mean == pytest.approx(0.4)
+    assert interval.half_width == pytest.approx(0.496828, abs=1e-6)
+    assert stats.mean_interval([0.7]).half_width is None and stats.mean_interval([None]) is None
+    with pytest.raises(ValueError, match="dof must be an integer >= 1"):
+        stats.t_quantile(0.95, 0)
+
+
+def test_smd_table_aggregates_seeds_with_t_intervals(repro):
     smd = repro["smd"]
     reward = [[step, 0.0 if step < 8 else 1.0] for step in range(10)]  # last 20%: steps 8, 9
     meta = {"mode": "naive", "lambda": None, "budget": 0.5, "selection": "recent"}
-    results = {
-        "a": _result("a", {**meta, "seed": 0}, {"rollout/reward_mean": reward,
-                                                "mismatch/logprob_abs_diff_max": [[0, 2.0], [1, 5.0]]}, 0.5),
-        "b": _result("b", {**meta, "seed": 1}, {"rollout/reward_mean": reward}, 0.7),
-    }  # fmt: skip
-    initial = {"recent-b0.5-seed0": {"accuracy": 0.25}, "recent-b0.5-seed1": {"accuracy": 0.45}}
+    scalars = [{"rollout/reward_mean": reward, "mismatch/logprob_abs_diff_max": [[0, 2.0], [1, 5.0]]},
+               {"rollout/reward_mean": reward}, {"rollout/reward_mean": reward}]  # fmt: skip
+    results = {}
+    for seed, accuracy in enumerate([0.5, 0.6, 0.8]):
+        result = _result(str(seed), {**meta, "seed": seed}, scalars[seed], accuracy)
+        result["eval"]["mismatch_by_position"] = [0.0, 0.3 * (seed + 1)]
+        result["eval_dense"] = {"accuracy": accuracy - 0.1}
+        results[str(seed)] = result
+    initial = {f"recent-b0.5-seed{s}": {"accuracy": a} for s, a in enumerate([0.25, 0.35, 0.45])}
     table, (row,) = smd.summarise(results, initial, steps=10)
-    assert row["reward_last"] == [1.0, 1.0]
-    assert row["delta"] == pytest.approx([0.25, 0.25])
-    assert row["mismatch_max"] == [5.0, None]
+    assert row["reward_last"] == [1.0, 1.0, 1.0]
+    assert row["delta"] == pytest.approx([0.25, 0.25, 0.35])
+    assert row["mismatch_max"] == [5.0, None, None]
+    assert row["served_mismatch_by_position"] == pytest.approx([0.0, 0.6])
+    # by hand, t_{0.975, 2} = 4.302653: after [0.5, 0.6, 0.8]: mean 0.6333, s 0.152753, half width 0.379459;
+    # before [0.25, 0.35, 0.45]: s 0.1, half width 0.248414; delta [0.25, 0.25, 0.35]: mean 0.2833, s 0.057735,
+    # half width 0.143422; greedy = after / 2: half width 0.189729
     assert (
-        "| 50% | recent | naive | - | 2 | 1.000 ± 0.000 | 0.350 ± 0.100 | 0.600 ± 0.100 | 0.250 ± 0.000 "
-        "| 0.300 ± 0.050 | - | 5.000 | - | - |"
+        "| 50% | recent | naive | - | 3 | 1.000 ± 0.000 | 0.350 ± 0.248 | 0.633 ± 0.379 | 0.283 ± 0.143 "
+        "| 0.533 ± 0.379 | 0.317 ± 0.190 | - | - | 5.000 | 0.000 / 0.600 | - | - |"
     ) in table
+
+
+def test_paired_differences_resolve_only_intervals_that_exclude_zero(repro):
+    smd = repro["smd"]
+    base = {"compression": "50%", "selection": "snapkv", "seeds": [0, 1, 2]}
+    rows = [
+        {**base, "mode": "smd", "lambda": 0.1, "acc_after": [0.6, 0.7, 0.8]},
+        {**base, "mode": "naive", "lambda": None, "acc_after": [0.5, 0.55, 0.6]},
+        {**base, "mode": "sparse_rl", "lambda": None, "acc_after": [0.7, 0.5, 0.4]},
+    ]
+    found = {(f["a"], f["b"]): f for f in smd.paired_differences(rows)}
+    assert set(found) == {("smd λ=0.1", "naive"), ("smd λ=0.1", "sparse_rl"), ("naive", "sparse_rl")}
+    lead = found[("smd λ=0.1", "naive")]  # differences 0.1, 0.15, 0.2: s 0.05, half width 4.302653 * 0.05 / sqrt 3
+    assert lead["mean"] == pytest.approx(0.15) and lead["half_width"] == pytest.approx(0.124207, abs=1e-6)
+    assert lead["resolved"]
+    assert not found[("naive", "sparse_rl")]["resolved"]  # differences -0.2, 0.05, 0.2
+    text = smd.comparisons_table(list(found.values()))
+    assert "| 50% | snapkv | smd λ=0.1 − naive | 3 | +0.150 ± 0.124 | yes |" in text
+
+
+def test_distill_table_reports_both_rl_follow_ups_and_the_curriculum(repro):
+    distill = repro["distill"]
+    ladder = [[0, 8.0], [20, 8.0], [40, 16.0], [60, 16.0], [80, 32.0]]
+    assert distill.curriculum_steps({"distill/max_new_tokens": ladder}) == (32.0, [40, 80])
+    evaluation = {"accuracy": 0.5, "pass@1": 0.5, "pass@4": 0.7, "greedy_accuracy": 0.6, "entropy": 1.0, "length": 8}
+    results = {
+        "distill-mix-0.8-0.2+curriculum-seed0": {
+            "cell": {"meta": {}}, "eval": evaluation, "eval_compressed": {**evaluation, "accuracy": 0.4},
+            "scalars": {"distill/max_new_tokens": ladder},
+        },
+        "rl-dense-mix-0.8-0.2+curriculum-seed0": {"eval": {"accuracy": 0.75}},
+        "rl-smd-mix-0.8-0.2+curriculum-seed0": {"eval": {"accuracy": 0.55}},
+    }  # fmt: skip
+    table, rows = distill.summarise(results, [0], ["mix-0.8-0.2+curriculum"])
+    (row,) = rows
+    assert row["rl_dense_gain"] == pytest.approx([0.25]) and row["rl_smd_gain"] == pytest.approx([0.15])
+    assert "| 32 (40, 80) |" in table and "| 0.750 | 0.250 | 0.550 | 0.150 |" in table
 
 
 def test_run_cells_refuses_results_of_other_settings(repro, tmp_path):
@@ -133,3 +225,52 @@ def test_run_cells_refuses_results_of_other_settings(repro, tmp_path):
     stored = {"cell": {**asdict(cell), "meta": {"seed": 0, "placed": "elsewhere"}}}  # placement is not a setting
     done.write_text(json.dumps(stored))
     assert runner.run_cells([cell], tmp_path, jobs=1) == {"x": stored}  # done: not rerun
+
+
+def test_chain_evaluation_matches_an_independent_decode_and_measures_mismatch_by_position(repro, tmp_path):
+    evaluate = repro["evaluate"]
+    path = save_tiny_checkpoint(tmp_path / "policy", seed=3, initializer_range=0.35)
+    model, tokenizer = load_causal_lm(str(path), dtype=torch.float32), load_tokenizer(str(path))
+    settings = evaluate.EvalSettings(num_prompts=3, num_samples=2, batch_size=2, task="chain", max_new_tokens=6,
+                                     num_hops=6, num_nodes=10)  # fmt: skip
+    prompts, answers = evaluate.heldout_prompts(settings)
+    assert [len(a) for a in answers] == [6, 6, 6]
+    reference = load_causal_lm(str(path), dtype=torch.float32, attn_implementation="eager")
+    texts = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        out = reference.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=None, pad_token_id=0)
+        texts.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    expected = chain_hops_reward(prompts, texts, answers)
+    compressor = RecentWindow(12, sinks=1)
+    result = evaluate.evaluate_policy(model, tokenizer, settings, compressor=compressor)
+    assert result["greedy_accuracy"] == pytest.approx(sum(expected) / len(expected))
+    positions = result["mismatch_by_position"]
+    assert len(positions) == 6 and result["visible_fraction"] < 1
+    assert positions[0] < 1e-5  # the first token is sampled right after the dense prefill
+    assert max(positions) > 1e-3  # later ones from the evicted cache, scored densely
+    dense = evaluate.evaluate_policy(model, tokenizer, settings)
+    assert "mismatch_by_position" not in dense and dense["visible_fraction"] == 1.0
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("task", ["retrieval", "chain"])
+def test_quick_reproduction_runs_the_smallest_cell_end_to_end(repro, tmp_path, task):
+    """``smd_table.py --quick``: the warm-up(s), the before-RL evaluation and one SMD cell in subprocesses, then the
+    table, the comparisons and the JSON; a second invocation reruns nothing (minutes on 2 loaded cores)."""
+    smd = repro["smd"]
+    argv = ["--quick", "--task", task, "--modes", "smd", "--out", str(tmp_path), "--jobs", "1"]
+    summary = smd.main(argv)
+    (row,) = summary["rows"]
+    assert (row["mode"], row["lambda"], row["seeds"], row["compression"]) == ("smd", 0.1, [0], "50%")
+    cell = json.loads((tmp_path / "cells" / "smd-lam0.1-snapkv-b0.5-seed0.json").read_text())
+    width = 32 if task == "chain" else 2
+    assert cell["global_step"] == 2 and {"eval", "eval_dense"} <= cell.keys()
+    assert len(cell["eval"]["mismatch_by_position"]) == width and "mismatch_by_position" not in cell["eval_dense"]
+    assert cell["eval"]["visible_fraction"] < 1 == cell["eval_dense"]["visible_fraction"]
+    assert len(row["served_mismatch_by_position"]) == width
+    for name in ("smd_table.md", "smd_comparisons.md", "smd_table.json", "smd_mismatch_positions_b0.5.png"):
+        assert (tmp_path / name).is_file(), name
+    stamp = (tmp_path / "cells" / "smd-lam0.1-snapkv-b0.5-seed0.json").stat().st_mtime_ns
+    assert smd.main(argv)["rows"] == summary["rows"]  # resumed: nothing rerun
+    assert (tmp_path / "cells" / "smd-lam0.1-snapkv-b0.5-seed0.json").stat().st_mtime_ns == stamp

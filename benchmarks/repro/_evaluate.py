@@ -1,15 +1,23 @@
 """Held-out evaluation of a trained policy for the miniature reproduction: sampled and greedy accuracy, pass@k, avg@k,
-the sampler's per-token entropy and the completion length.
+the sampler's per-token entropy, the completion length and, for a compressed sampler, the per-position mismatch.
+
+Tasks: ``"retrieval"`` (the quick one: compact key-value retrieval, two-token answers, `math_answer_reward`) and
+``"chain"`` (the long one: `lit_smd.tasks.multi_hop_chain`, ``num_hops``-token answers, `chain_hops_reward`, whose
+partial credit makes ``accuracy`` the mean share of leading hops right; a completion counts as a success for pass@k
+and avg@n only when the whole chain is right).
 
 Completions come from `lit_smd.rollout.generate`, with the cell's compressor when the policy is meant to be served
 with a compressed cache (what the RL cell trained for) and densely otherwise. The entropy is that of the distribution
 the sampler drew from (``score``'s teacher-forced pass with the rollout's shadow mask replayed, so for a compressed
-rollout it is the compressed policy's entropy), in nats per completion token.
+rollout it is the compressed policy's entropy), in nats per completion token. With a compressor the sampled tokens
+are also scored densely: ``mismatch_by_position[i]`` is the mean ``|log mu - log pi_dense|`` of the tokens at
+completion position ``i`` (does the sampler-learner gap grow along the completion?).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -17,11 +25,13 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from lit_smd.kv import Compressor
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.metrics import AvgAtK, PassAtK, ResponseLength, TokenEntropy
-from lit_smd.rewards import math_answer_reward
-from lit_smd.rollout import Rollout, completion_hidden_states, generate
-from lit_smd.tasks import key_value_retrieval
+from lit_smd.rewards import chain_hops_reward, math_answer_reward
+from lit_smd.rollout import Rollout, completion_hidden_states, generate, score
+from lit_smd.tasks import key_value_retrieval, multi_hop_chain
 
-__all__ = ["EvalSettings", "evaluate_policy", "heldout_retrieval"]
+__all__ = ["EvalSettings", "evaluate_policy", "heldout_prompts", "heldout_retrieval"]
+
+TASKS = ("retrieval", "chain")
 
 
 @dataclass(frozen=True)
@@ -29,12 +39,15 @@ class EvalSettings:
     """What to evaluate on and how.
 
     Args:
-        num_prompts: Held-out prompts (compact key-value retrieval, a seed no training run uses).
+        num_prompts: Held-out prompts (a seed no training run uses).
         num_samples: Completions per prompt at ``temperature`` (avg@n, pass@k for k in 1 and n).
         temperature: Sampling temperature of the sampled metrics.
         max_new_tokens: Completion length limit.
         dataset_seed: Seed of the held-out rows.
         batch_size: Prompts per generate call.
+        task: ``"retrieval"`` or ``"chain"`` (see the module docstring).
+        num_hops: Hops of the chain task.
+        num_nodes: Pairs per prompt of the chain task.
     """
 
     num_prompts: int = 256
@@ -43,6 +56,13 @@ class EvalSettings:
     max_new_tokens: int = 2
     dataset_seed: int = 2
     batch_size: int = 64
+    task: str = "retrieval"
+    num_hops: int = 32
+    num_nodes: int = 40
+
+    def __post_init__(self) -> None:
+        if self.task not in TASKS:
+            raise ValueError(f"task must be one of {TASKS}, got {self.task!r}")
 
 
 def heldout_retrieval(settings: EvalSettings) -> tuple[list[str], list[str]]:
@@ -51,6 +71,21 @@ def heldout_retrieval(settings: EvalSettings) -> tuple[list[str], list[str]]:
         settings.num_prompts, num_pairs=6, max_value=99, style="compact", seed=settings.dataset_seed
     )
     return list(rows["prompt"]), list(rows["answer"])
+
+
+def heldout_prompts(settings: EvalSettings) -> tuple[list[str], list[str]]:
+    """The held-out prompts and answers of ``settings.task``."""
+    if settings.task == "retrieval":
+        return heldout_retrieval(settings)
+    rows = multi_hop_chain(
+        settings.num_prompts, num_hops=settings.num_hops, num_nodes=settings.num_nodes, seed=settings.dataset_seed
+    )
+    return list(rows["prompt"]), list(rows["answer"])
+
+
+def _rewards(settings: EvalSettings, prompts: list[str], completions: list[str], gold: list[str]) -> list[float]:
+    reward = math_answer_reward if settings.task == "retrieval" else chain_hops_reward
+    return reward(prompts, completions, gold)
 
 
 def _sampler_entropy(model: PreTrainedModel, rollout: Rollout, temperature: float) -> torch.Tensor:
@@ -70,19 +105,23 @@ def evaluate_policy(
     settings: EvalSettings,
     compressor: Compressor | None = None,
     seed: int = 0,
-) -> dict[str, float]:
-    """Accuracy metrics of ``model`` on the held-out retrieval prompts.
+) -> dict[str, Any]:
+    """Accuracy metrics of ``model`` on the held-out prompts of ``settings.task``.
 
     Returns:
-        ``accuracy`` (= avg@n: mean success over all sampled completions), ``avg@n_stderr`` (over prompts),
-        ``pass@1`` and ``pass@n`` (unbiased), ``greedy_accuracy`` (dense cache, argmax decoding), ``entropy``
-        (sampler, nats per completion token), ``length`` (mean completion tokens), ``visible_fraction`` (share of
-        causally available keys the sampled tokens could see; 1 for a dense cache).
+        ``accuracy`` (mean reward over all sampled completions: avg@n for retrieval, the mean share of leading hops
+        right for the chain), ``avg@n`` / ``avg@n_stderr`` (whole answer right, over prompts), ``pass@1`` and
+        ``pass@n`` (unbiased), ``greedy_accuracy`` (mean reward of dense-cache argmax decoding), ``entropy`` (sampler,
+        nats per completion token), ``length`` (mean completion tokens), ``visible_fraction`` (share of causally
+        available keys the sampled tokens could see; 1 for a dense cache), and with a compressor ``mismatch_mean``
+        and ``mismatch_by_position`` (mean ``|log mu - log pi_dense|`` overall and at each completion position).
     """
-    prompts, answers = heldout_retrieval(settings)
+    prompts, answers = heldout_prompts(settings)
     n = settings.num_samples
     pass_at, avg_at, entropy, lengths = PassAtK(k=sorted({1, n})), AvgAtK(k=n), TokenEntropy(), ResponseLength()
-    visible, greedy = [], []
+    visible, greedy, sampled_rewards = [], [], []
+    gap_sum = torch.zeros(settings.max_new_tokens, dtype=torch.float64)
+    gap_count = torch.zeros(settings.max_new_tokens, dtype=torch.float64)
     generator = torch.Generator().manual_seed(seed)
     model.eval()
     common = {"max_new_tokens": settings.max_new_tokens, "eos_token_id": tokenizer.eos_token_id,
@@ -96,7 +135,9 @@ def evaluate_policy(
             temperature=settings.temperature, generator=generator, **common,
         )  # fmt: skip
         gold = [a for a in batch_answers for _ in range(n)]
-        correct = torch.tensor(math_answer_reward(batch_prompts, _decode(tokenizer, sampled), gold)).view(-1, n)
+        rewards = _rewards(settings, [p for p in batch_prompts for _ in range(n)], _decode(tokenizer, sampled), gold)
+        sampled_rewards += rewards
+        correct = (torch.tensor(rewards) >= 1.0).view(-1, n)
         pass_at.update(correct.sum(-1).long(), num_samples=n)
         avg_at.update(correct.sum(-1).long())
         entropy.update(_sampler_entropy(model, sampled, settings.temperature), sampled.completion_mask)
@@ -105,17 +146,28 @@ def evaluate_policy(
             visible.append(
                 sampled.shadow_mask.visible_fraction(sampled.prompt_lengths, sampled.completion_mask).item()
             )
+            with torch.no_grad():
+                dense = score(model, sampled, shadow=False, temperature=settings.temperature)  # [B, N]
+            gap = (sampled.logprobs.double() - dense.double()).abs() * sampled.completion_mask  # [B, N]
+            width = gap.shape[1]
+            gap_sum[:width] += gap.sum(0)
+            gap_count[:width] += sampled.completion_mask.double().sum(0)
         argmax = generate(model, enc["input_ids"], enc["attention_mask"], top_k=1, **common)
-        greedy += math_answer_reward(batch_prompts, _decode(tokenizer, argmax), batch_answers)
+        greedy += _rewards(settings, batch_prompts, _decode(tokenizer, argmax), batch_answers)
     avg = avg_at.compute()
     result = {
-        "accuracy": avg[f"avg@{n}"].item(),
+        "accuracy": sum(sampled_rewards) / len(sampled_rewards),
+        f"avg@{n}": avg[f"avg@{n}"].item(),
         f"avg@{n}_stderr": avg[f"avg@{n}_stderr"].item(),
         "greedy_accuracy": sum(greedy) / len(greedy),
         "entropy": entropy.compute().item(),
         "length": lengths.compute()["mean_length"].item(),
         "visible_fraction": float(sum(visible) / len(visible)) if visible else 1.0,
     }
+    if visible:
+        seen = gap_count > 0
+        result["mismatch_mean"] = (gap_sum.sum() / gap_count.sum()).item()
+        result["mismatch_by_position"] = (gap_sum[seen] / gap_count[seen]).tolist()
     result.update({name: value.item() for name, value in pass_at.compute().items()})
     return result
 

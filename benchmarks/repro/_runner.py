@@ -34,10 +34,16 @@ class Cell:
         argv: ``lit-smd`` arguments (``fit --config ...``).
         eval_attribute: Module attribute holding the trained causal LM (``policy`` / ``student``), or None for no
             held-out evaluation.
-        eval_compressed: Sample the evaluation with the module's rollout compressor (the policy as it is served).
+        eval_compressed: Evaluate sampling with the module's rollout compressor (the policy as it is served: ``eval``)
+            and also with a dense cache (``eval_dense``); otherwise densely only (``eval``).
         eval_settings: Fields of `_evaluate.EvalSettings`.
         seed: Seed of the evaluation's sampling.
         meta: Anything the tables need to place the cell (mode, budget, selection, seed, ...).
+        eval_with: ``"miniature"``: `_evaluate.evaluate_policy` on the held-out synthetic prompts; ``"callback"``: the
+            run's own `lit_smd.callbacks.GenerationEval` over its validation set (``trainer.validate``; the real
+            setups of ``gpu_table.py``), compressed and dense as ``eval_compressed`` says.
+        train: Run the subcommand of ``argv`` (``fit``); False only builds the run (the policy as loaded) and
+            evaluates it: the "before RL" cells.
     """
 
     name: str
@@ -47,6 +53,19 @@ class Cell:
     eval_settings: dict[str, Any] = field(default_factory=dict)
     seed: int = 0
     meta: dict[str, Any] = field(default_factory=dict)
+    eval_with: str = "miniature"
+    train: bool = True
+
+
+def write_atomic(path: str | Path, text: str) -> None:
+    """Write ``text`` to ``path`` atomically: a temporary file in the same folder, fsync, then ``os.replace``."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as handle:
+        handle.write(text)
+        handle.flush()
+        os.fsync(handle.fileno())
+    os.replace(tmp, path)
 
 
 def read_scalars(log_dir: str | Path) -> dict[str, list[list[float]]]:
@@ -56,6 +75,24 @@ def read_scalars(log_dir: str | Path) -> dict[str, list[list[float]]]:
     events = EventAccumulator(str(log_dir), size_guidance={"scalars": 0})
     events.Reload()
     return {tag: [[e.step, e.value] for e in events.Scalars(tag)] for tag in events.Tags()["scalars"]}
+
+
+def callback_evaluation(cli: Any, compressed: bool) -> dict[str, dict[str, Any]]:
+    """``trainer.validate`` with the run's `GenerationEval`, served compressed (``eval``) and densely (``eval_dense``)
+    when ``compressed``, else densely (``eval``); each as ``{"accuracy": eval/<metric>, "pass@k": ..., ...}``."""
+    from lit_smd.callbacks import GenerationEval
+
+    callbacks = [cb for cb in cli.trainer.callbacks if isinstance(cb, GenerationEval)]
+    if not callbacks:
+        raise ValueError("eval_with='callback' needs a GenerationEval callback in the run (an eval config overlay)")
+    callback, found = callbacks[0], {}
+    for key, use_compressor in ([("eval", True), ("eval_dense", False)] if compressed else [("eval", False)]):
+        callback.use_compressor = use_compressor
+        (metrics,) = cli.trainer.validate(cli.model, datamodule=cli.datamodule, verbose=False)
+        values = {name.removeprefix("eval/"): float(value) for name, value in metrics.items()}
+        found[key] = {"accuracy": values.pop(callback.metric_name), "length": values.pop("mean_length", None),
+                      **values}  # fmt: skip
+    return found
 
 
 def _run_worker(spec_path: Path) -> None:
@@ -70,22 +107,25 @@ def _run_worker(spec_path: Path) -> None:
     spec = json.loads(spec_path.read_text())
     cell = Cell(**spec["cell"])
     start = time.perf_counter()
-    cli = main(cell.argv)
+    cli = main(cell.argv) if cell.train else main(cell.argv[1:], run=False)
     train_s = time.perf_counter() - start
     result: dict[str, Any] = {"cell": asdict(cell), "train_s": train_s, "global_step": cli.trainer.global_step}
-    result["scalars"] = read_scalars(cli.trainer.logger.log_dir)
-    if cell.eval_attribute is not None:
+    result["scalars"] = read_scalars(cli.trainer.logger.log_dir) if cell.train else {}
+    start = time.perf_counter()
+    if cell.eval_with == "callback":
+        result.update(callback_evaluation(cli, cell.eval_compressed))
+    elif cell.eval_attribute is not None:
         module = cli.model
-        compressor = module.compressor if cell.eval_compressed else None
-        start = time.perf_counter()
-        result["eval"] = evaluate_policy(
-            getattr(module, cell.eval_attribute), cli.datamodule.tokenizer, EvalSettings(**cell.eval_settings),
-            compressor=compressor, seed=cell.seed,
-        )  # fmt: skip
-        result["eval_s"] = time.perf_counter() - start
-    tmp = Path(spec["result"] + ".tmp")
-    tmp.write_text(json.dumps(result))
-    tmp.replace(spec["result"])
+        policy, tokenizer, settings = getattr(module, cell.eval_attribute), cli.datamodule.tokenizer, cell.eval_settings
+        if cell.eval_compressed:  # served as trained (compressed), and densely
+            result["eval"] = evaluate_policy(
+                policy, tokenizer, EvalSettings(**settings), compressor=module.compressor, seed=cell.seed
+            )
+            result["eval_dense"] = evaluate_policy(policy, tokenizer, EvalSettings(**settings), seed=cell.seed)
+        else:
+            result["eval"] = evaluate_policy(policy, tokenizer, EvalSettings(**settings), seed=cell.seed)
+    result["eval_s"] = time.perf_counter() - start
+    write_atomic(spec["result"], json.dumps(result))
 
 
 def _settings(cell: dict[str, Any]) -> dict[str, Any]:

@@ -1,14 +1,16 @@
 """The whole miniature reproduction: the SMD table, then the distillation table, then the published copy.
 
-Runs `smd_table.py` and `distill_table.py` at their defaults (both resumable: cells already in ``--out`` are kept),
-then writes their tables, JSON and PNG curves to ``--publish`` (``docs/results/`` in the repository) with a
-``run_info.md`` that records the command, the commit, the machine and the measured wall-clock and CPU time.
-The analysis in ``docs/results/README.md`` is written by hand from these files.
+Runs `smd_table.py` and `distill_table.py` (both resumable: cells already in ``--out`` are kept) with the shared
+flags, then writes their tables, comparisons, JSON and PNG curves to ``--publish`` (``docs/results/`` in the
+repository; ``docs/results/<task>/`` for a task other than retrieval) with a ``run_info.md`` that records the command,
+the commit, the machine and the measured wall-clock and CPU time. The analysis in ``docs/results/README.md`` is
+written by hand from these files.
 
 Usage::
 
-    python benchmarks/repro/run.py                       # about an hour on 2 CPU cores; out/repro, docs/results
-    python benchmarks/repro/run.py --seeds 0 1 2         # more seeds (any flag both tables share)
+    python benchmarks/repro/run.py                          # retrieval, 5 seeds: hours on 2 CPU cores
+    python benchmarks/repro/run.py --task chain --out out/repro-chain
+    python benchmarks/repro/run.py --quick --out /tmp/q --publish ''   # the pipeline end to end, minutes
 """
 
 from __future__ import annotations
@@ -28,9 +30,10 @@ sys.path.insert(0, str(HERE))
 
 import distill_table  # noqa: E402
 import smd_table  # noqa: E402
-from _runner import ROOT  # noqa: E402
+from _runner import ROOT, write_atomic  # noqa: E402
 
-PUBLISHED = ("smd_table.md", "smd_table.json", "distill_table.md", "distill_table.json", "distill_curves.png")
+PUBLISHED = ("smd_table.md", "smd_comparisons.md", "smd_table.json", "distill_table.md", "distill_table.json",
+             "distill_curves.png")  # fmt: skip
 
 
 def _commit() -> str:
@@ -45,27 +48,36 @@ def _commit() -> str:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / "out" / "repro"))
-    parser.add_argument("--publish", default=str(ROOT / "docs" / "results"), help="'' to skip publishing")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
+    parser.add_argument("--publish", default=None, help="default docs/results (retrieval) or docs/results/<task>; '' "
+                        "to skip publishing")  # fmt: skip
+    parser.add_argument("--task", choices=sorted(smd_table.TASKS), default="retrieval")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help=f"default {smd_table.SEEDS}")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the pipeline end to end")
     args = parser.parse_args(argv)
-    shared = ["--out", args.out, "--jobs", str(args.jobs), "--seeds", *map(str, args.seeds)]
+    shared = ["--out", args.out, "--jobs", str(args.jobs), "--task", args.task]
+    shared += ["--seeds", *map(str, args.seeds)] if args.seeds else []
+    shared += ["--quick"] if args.quick else []
     start, cpu_start = time.perf_counter(), os.times()
     smd_table.main(shared)
     distill_table.main(shared)
     wall, cpu_end = time.perf_counter() - start, os.times()
     cpu = (cpu_end.children_user + cpu_end.children_system) - (cpu_start.children_user + cpu_start.children_system)
+    if args.publish is None:
+        args.publish = str(ROOT / "docs" / "results" / ("" if args.task == "retrieval" else args.task))
     if not args.publish:
         return
     publish, out = Path(args.publish), Path(args.out)
     publish.mkdir(parents=True, exist_ok=True)
     names = list(PUBLISHED) + [p.name for p in out.glob("smd_curves_*.png")]
+    names += [p.name for p in out.glob("smd_mismatch_positions_*.png")]
     for name in names:
         if (out / name).exists():
             shutil.copyfile(out / name, publish / name)
     cells = [json.loads(p.read_text()) for p in (out / "cells").glob("*.json")]
     cell_s = sum(c.get("train_s", 0) + c.get("eval_s", 0) for c in cells)
-    (publish / "run_info.md").write_text(
+    write_atomic(
+        publish / "run_info.md",
         "# Run information\n\n"
         f"- command: `python benchmarks/repro/run.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n"
         f"- commit: {_commit()}\n"
@@ -73,7 +85,7 @@ def main(argv: list[str] | None = None) -> None:
         f"- wall clock (this invocation; cells already in {out.name}/ were not rerun): {wall / 60:.1f} min\n"
         f"- CPU time of the training processes (this invocation): {cpu / 60:.1f} min\n"
         f"- the {len(cells)} cells' own training + evaluation time, summed (process start-up excluded; "
-        f"{args.jobs} ran at a time): {cell_s / 60:.1f} min\n"
+        f"{args.jobs} ran at a time): {cell_s / 60:.1f} min\n",
     )
     print(f"published {len(names)} files and run_info.md to {publish}")
 

@@ -1,30 +1,39 @@
 """Miniature SMD table: dense, naive, Sparse-RL and SMD GRPO from the same warm-up policy, at 50% and 70% KV
-compression, with SnapKV (then H2O while decoding), recent-window and random selection, and SMD's lambda (``kl_coef``)
-in {0, 0.1, 0.8}; several seeds, a fixed number of steps per run.
+compression with SnapKV (then H2O while decoding), at 50% with recent-window and random selection, and SMD's lambda
+(``kl_coef``) in {0, 0.1, 0.8} with SnapKV; five seeds by default, a fixed number of steps per run.
 
 Setup (what the SMD paper's table compares, at CPU scale)
-    - Task: compact key-value retrieval (the quickstart's: six digit-key / two-digit-value pairs, then the queried
-      key; reward 1 when the sampled completion is the value). The second answer digit is sampled from the compressed
-      cache, so what the compressor evicted decides whether it can be right.
-    - Policy: the quickstart's tiny Qwen3 (2 layers, hidden 64) after its supervised warm-up
-      (``configs/sft/quickstart_warmup.yaml``), one warm-up per seed (initialisation and sampling seeds vary,
-      the data does not).
-    - RL: ``configs/grpo/quickstart_cpu.yaml`` (32 prompts x 8 samples per step, lr 5e-4) with the mode, compressor and
-      ``kl_coef`` of the cell, ``--steps`` optimizer steps. Budgets: 50% compression keeps ``floor(0.5 * context)``
-      keys per layer and head, 70% keeps 30%.
-    - Reported per cell (mean over seeds, and the spread): training reward of the last 20% of steps, held-out
-      accuracy (avg@4 at temperature 1) sampled *with the cell's compressed cache* (how the policy is served; dense
-      for the dense row) before and after RL, dense greedy accuracy, first-pass mismatch ``|log mu - log pi|`` mean and
-      max, Sparse-RL's rejected-sequence and masked-token fractions, and the learner step time.
+    - Task (``--task``): ``retrieval``, the quick one (the quickstart's compact key-value retrieval: six digit-key /
+      two-digit-value pairs, then the queried key; reward 1 when the sampled completion is the value; the second
+      answer digit is sampled from the compressed cache), or ``chain``, the long one (`lit_smd.tasks.multi_hop_chain`:
+      32 one-token hops through 40 pairs listed in the prompt, every hop a lookup; partial-credit reward
+      `lit_smd.rewards.chain_hops_reward`), where errors compound over the completion and Sparse-RL's sequence veto
+      has something to act on.
+    - Policy: the quickstart's tiny Qwen3 (2 layers, hidden 64) after a supervised warm-up on the task
+      (``configs/sft/quickstart_warmup.yaml``; for the chain that warm-up, then ``configs/chain_sft.yaml`` from it),
+      one warm-up per seed (initialisation and sampling seeds vary, the data does not).
+    - RL: ``configs/grpo/quickstart_cpu.yaml`` (plus ``configs/chain_grpo.yaml`` for the chain) with the mode,
+      compressor and ``kl_coef`` of the cell, ``--steps`` optimizer steps. ``naive`` is the standard learner (ratio
+      against the dense policy before the update, 1 on the first pass). Budgets: 50% compression keeps
+      ``floor(0.5 * context)`` keys per layer and head, 70% keeps 30% (`compressor_spec`).
+    - Reported per cell: the mean over seeds with a 95% Student-t interval (``mean ± half width``, `_stats`):
+      training reward of the last 20% of steps; held-out accuracy (avg@4 at temperature 1; mean partial credit for
+      the chain) served with the cell's compressed cache before and after RL, and after RL served densely; dense
+      greedy accuracy; first-pass training mismatch ``|log mu - log pi|`` mean and max; the per-position mismatch of
+      the trained compressed sampler against its own dense scoring (first and last position in the table, every
+      position in the JSON and ``smd_mismatch_positions_*.png``); Sparse-RL's veto (rejected-sequence) and
+      masked-token rates; the completion length; the learner step time. Then paired differences between modes over
+      the same seeds (``smd_comparisons.md``), each marked resolved when its interval excludes 0.
 
-Departures from the paper (arXiv 2605.06850): 2-layer models trained from scratch instead of Qwen3-4B, two-token
-answers instead of long reasoning, a few hundred steps, two seeds by default. The table answers "which learner
-trains a compressed sampler best here", not the paper's absolute numbers.
+Departures from the paper (arXiv 2605.06850): 2-layer models trained from scratch instead of Qwen3-4B, synthetic
+tasks instead of GSM8K / TL;DR, a few hundred steps. The table answers "which learner trains a compressed sampler
+best here", not the paper's absolute numbers. ``gpu_table.py`` writes the same table for the paper's real setups.
 
 Usage::
 
-    python benchmarks/repro/smd_table.py --out out/repro            # ~40 min on 2 CPU cores (defaults)
-    python benchmarks/repro/smd_table.py --steps 20 --seeds 0 --selections snapkv --budgets 0.5   # seconds-scale check
+    python benchmarks/repro/smd_table.py --out out/repro                  # retrieval, 5 seeds (hours on 2 CPU cores)
+    python benchmarks/repro/smd_table.py --out out/repro-chain --task chain
+    python benchmarks/repro/smd_table.py --quick --modes smd --out /tmp/q # seconds-scale end-to-end check
 """
 
 from __future__ import annotations
@@ -39,14 +48,44 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _runner import ROOT, Cell, run_cells  # noqa: E402
+from _runner import ROOT, Cell, run_cells, write_atomic  # noqa: E402
+from _stats import mean_interval  # noqa: E402
 
 SELECTIONS = ("snapkv", "recent", "random")
+OTHER_SELECTION_BUDGETS = (0.5,)
+"""Kept fractions at which the recent and random selections run (SnapKV runs at every ``--budgets`` value)."""
 LAMBDAS = (0.0, 0.1, 0.8)
 DEFAULT_LAMBDA = 0.1
-EVAL = {"num_prompts": 256, "num_samples": 4}
-"""Held-out evaluation of every cell (`_evaluate.EvalSettings` fields); ``--eval-prompts`` changes the size."""
+MODES = ("dense", "naive", "sparse_rl", "smd")
+SEEDS = [0, 1, 2, 3, 4]
+TASKS: dict[str, dict[str, Any]] = {
+    "retrieval": {
+        "warmup": [ROOT / "configs/sft/quickstart_warmup.yaml"],
+        "rl": [ROOT / "configs/grpo/quickstart_cpu.yaml"],
+        "eval": {"num_prompts": 256, "num_samples": 4, "task": "retrieval", "max_new_tokens": 2},
+    },
+    "chain": {
+        "warmup": [ROOT / "configs/sft/quickstart_warmup.yaml", HERE / "configs/chain_sft.yaml"],
+        "rl": [ROOT / "configs/grpo/quickstart_cpu.yaml", HERE / "configs/chain_grpo.yaml"],
+        "eval": {"num_prompts": 128, "num_samples": 4, "task": "chain", "max_new_tokens": 32, "num_hops": 32,
+                 "num_nodes": 40},
+    },
+}  # fmt: skip
+"""Per task: warm-up configs, RL configs and held-out evaluation (`_evaluate.EvalSettings` fields)."""
+QUICK = {"seeds": [0], "steps": 2, "warmup_max_steps": 2, "eval_prompts": 4, "budgets": [0.5],
+         "selections": ["snapkv"], "lambdas": [DEFAULT_LAMBDA]}  # fmt: skip
+"""``--quick``: one seed, two steps, tiny batches (`QUICK_RL`) and evaluations: checks the pipeline only."""
+QUICK_RL = ["--data.init_args.prompts_per_step", "2", "--data.init_args.num_generations", "2"]
+EVAL = dict(TASKS["retrieval"]["eval"])
+"""The evaluation settings of the current invocation (`main` sets them from ``--task`` and ``--eval-prompts``)."""
 _QUIET = ["--trainer.enable_progress_bar", "false", "--trainer.enable_model_summary", "false"]
+_RL_EXTRA: list[str] = []
+"""Overrides added to every RL run of the current invocation (``--quick``: `QUICK_RL`)."""
+_TASK = {"name": "retrieval"}
+
+
+def _configs(paths: list[Path]) -> list[str]:
+    return [arg for path in paths for arg in ("--config", str(path))]
 
 
 def compressor_spec(selection: str, budget: float, seed: int) -> dict[str, Any]:
@@ -69,51 +108,105 @@ def compressor_spec(selection: str, budget: float, seed: int) -> dict[str, Any]:
     raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
 
 
+def configure(task: str, eval_prompts: int | None = None, quick: bool = False) -> None:
+    """Set this invocation's task, evaluation size and ``--quick`` batch sizes (in place: importers see them)."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {sorted(TASKS)}, got {task!r}")
+    _TASK["name"] = task
+    EVAL.clear()
+    EVAL.update(TASKS[task]["eval"])
+    if eval_prompts is not None:
+        EVAL["num_prompts"] = eval_prompts
+    if quick:
+        EVAL["num_samples"] = 2
+    _RL_EXTRA[:] = QUICK_RL if quick else []
+
+
 def warmup_policy(out: Path, seed: int) -> Path:
     """Where the warm-up of ``seed`` exports its policy."""
     return out / "policies" / f"warmup-seed{seed}"
 
 
-def warmup_cell(out: Path, seed: int, max_steps: int | None = None) -> Cell:
-    """The quickstart's supervised warm-up with initialisation and sampling seed ``seed`` (``max_steps``: its cap)."""
+def warmup_cell(out: Path, seed: int, max_steps: int | None = None, stage: str | None = None) -> Cell:
+    """A supervised warm-up with initialisation and sampling seed ``seed`` (``max_steps``: its cap).
+
+    ``stage`` None is the task's warm-up (``warmup-seed<seed>``, exported to `warmup_policy`). The chain task starts
+    it from the retrieval warm-up of the same seed, ``stage="retrieval"`` (``retrieval-warmup-seed<seed>``): from
+    scratch a tiny model stays near chance on 40-pair chains for hundreds of steps, while the lookup circuit of the
+    retrieval warm-up carries over within ~200 (docs/results/README.md). That first stage is not evaluated.
+    """
+    task = _TASK["name"]
     cap = [] if max_steps is None else ["--trainer.max_steps", str(max_steps)]
+    if stage == "retrieval":
+        name, configs, init, export = (f"retrieval-warmup-seed{seed}", TASKS["retrieval"]["warmup"],
+                                       ["--model.init_args.policy.init_args.seed", str(seed)],
+                                       out / "policies" / f"retrieval-warmup-seed{seed}")  # fmt: skip
+    elif stage is None:
+        name, configs, export = f"warmup-seed{seed}", TASKS[task]["warmup"], warmup_policy(out, seed)
+        init = ["--model.init_args.policy.init_args.seed", str(seed)]
+        if task == "chain":
+            start = out / "policies" / f"retrieval-warmup-seed{seed}"
+            init = ["--model.init_args.policy", str(start), "--data.init_args.tokenizer", str(start)]
+    else:
+        raise ValueError(f"stage must be None or 'retrieval', got {stage!r}")
     return Cell(
-        name=f"warmup-seed{seed}",
+        name=name,
         argv=[
-            "fit", "--config", str(ROOT / "configs/sft/quickstart_warmup.yaml"), "--seed_everything", str(seed),
-            "--model.init_args.policy.init_args.seed", str(seed),
-            "--model.init_args.export_dir", str(warmup_policy(out, seed)),
+            "fit", *_configs(configs), "--seed_everything", str(seed), *init,
+            "--model.init_args.export_dir", str(export),
             "--trainer.logger.init_args.save_dir", str(out / "runs"), "--trainer.logger.init_args.name",
-            f"warmup-seed{seed}", "--trainer.logger.init_args.version", "0", *_QUIET, *cap,
+            name, "--trainer.logger.init_args.version", "0", *_QUIET, *cap,
         ],
-        eval_attribute="policy", eval_settings=EVAL, seed=seed, meta={"kind": "warmup", "seed": seed},
+        eval_attribute=None if stage else "policy", eval_settings=dict(EVAL), seed=seed,
+        meta={"kind": "warmup", "seed": seed},
     )  # fmt: skip
 
 
+def warmup_stages(out: Path, seeds: list[int], max_steps: int | None = None) -> list[list[Cell]]:
+    """The warm-up cells in the order they must run: the retrieval warm-up first when the task is the chain."""
+    stages = [[warmup_cell(out, seed, max_steps) for seed in seeds]]
+    if _TASK["name"] == "chain":
+        stages.insert(0, [warmup_cell(out, seed, max_steps, stage="retrieval") for seed in seeds])
+    return stages
+
+
 def grpo_argv(out: Path, name: str, policy: Path, seed: int, steps: int, overrides: list[str]) -> list[str]:
-    """``lit-smd fit`` on the quickstart GRPO config from ``policy`` with ``overrides``."""
+    """``lit-smd fit`` on the task's GRPO configs from ``policy`` with ``overrides``."""
     return [
-        "fit", "--config", str(ROOT / "configs/grpo/quickstart_cpu.yaml"), "--seed_everything", str(seed),
+        "fit", *_configs(TASKS[_TASK["name"]]["rl"]), "--seed_everything", str(seed),
         "--model.init_args.policy", str(policy), "--data.init_args.tokenizer", str(policy),
         "--trainer.max_steps", str(steps), "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
         "--trainer.logger.init_args.save_dir", str(out / "runs"), "--trainer.logger.init_args.name", name,
-        "--trainer.logger.init_args.version", "0", *_QUIET, *overrides,
+        "--trainer.logger.init_args.version", "0", *_QUIET, *_RL_EXTRA, *overrides,
     ]  # fmt: skip
 
 
-def grpo_cells(out: Path, seeds: list[int], budgets: list[float], selections: list[str], steps: int) -> list[Cell]:
-    """Every RL cell of the table (dense once per seed; the lambda sweep with SnapKV only)."""
+def dense_cell(out: Path, policy: Path, seed: int, steps: int, name: str | None = None) -> Cell:
+    """A dense GRPO run (dense rollouts and learner) from ``policy``, evaluated densely."""
+    name = name or f"dense-seed{seed}"
+    argv = grpo_argv(out, name, policy, seed, steps, ["--model.init_args.mode", "dense",
+                                                      "--model.init_args.compressor", "null"])  # fmt: skip
+    return Cell(name, argv, eval_settings=dict(EVAL), seed=seed, meta={"mode": "dense", "seed": seed})
+
+
+def grpo_cells(
+    out: Path, seeds: list[int], budgets: list[float], selections: list[str], steps: int,
+    modes: tuple[str, ...] = MODES, lambdas: tuple[float, ...] = LAMBDAS,
+) -> list[Cell]:  # fmt: skip
+    """Every RL cell of the table: dense once per seed; SnapKV at every budget with the lambda sweep; the other
+    selections at `OTHER_SELECTION_BUDGETS` only, SMD at the default lambda."""
     cells = []
     for seed in seeds:
         policy = warmup_policy(out, seed)
-        name = f"dense-seed{seed}"
-        argv = grpo_argv(out, name, policy, seed, steps, ["--model.init_args.mode", "dense",
-                                                          "--model.init_args.compressor", "null"])  # fmt: skip
-        cells.append(Cell(name, argv, eval_settings=EVAL, seed=seed, meta={"mode": "dense", "seed": seed}))
+        if "dense" in modes:
+            cells.append(dense_cell(out, policy, seed, steps))
         for budget in budgets:
             for selection in selections:
-                runs = [("naive", DEFAULT_LAMBDA), ("sparse_rl", DEFAULT_LAMBDA)]
-                runs += [("smd", lam) for lam in (LAMBDAS if selection == "snapkv" else (DEFAULT_LAMBDA,))]
+                if selection != "snapkv" and budget not in OTHER_SELECTION_BUDGETS:
+                    continue
+                runs = [(mode, DEFAULT_LAMBDA) for mode in ("naive", "sparse_rl") if mode in modes]
+                if "smd" in modes:
+                    runs += [("smd", lam) for lam in (lambdas if selection == "snapkv" else (DEFAULT_LAMBDA,))]
                 for mode, lam in runs:
                     cells.append(compressed_cell(out, policy, seed, steps, mode, selection, budget, lam))
     return cells
@@ -123,7 +216,8 @@ def compressed_cell(
     out: Path, policy: Path, seed: int, steps: int, mode: str, selection: str, budget: float, lam: float,
     name: str | None = None,
 ) -> Cell:
-    """A GRPO run from ``policy`` with a compressed rollout (naive / sparse_rl / smd), evaluated compressed."""
+    """A GRPO run from ``policy`` with a compressed rollout (naive / sparse_rl / smd), evaluated served with the
+    compressed cache (``eval``) and densely (``eval_dense``)."""
     tag = f"{mode}-lam{lam}" if mode == "smd" else mode
     name = name or f"{tag}-{selection}-b{budget}-seed{seed}"
     compressor = json.dumps(compressor_spec(selection, budget, seed))
@@ -132,12 +226,18 @@ def compressed_cell(
     meta = {"mode": mode, "lambda": lam if mode == "smd" else None, "budget": budget, "selection": selection,
             "seed": seed}  # fmt: skip
     argv = grpo_argv(out, name, policy, seed, steps, overrides)
-    return Cell(name, argv, eval_compressed=True, eval_settings=EVAL, seed=seed, meta=meta)
+    return Cell(name, argv, eval_compressed=True, eval_settings=dict(EVAL), seed=seed, meta=meta)
+
+
+def compressed_settings(budgets: list[float], selections: list[str]) -> list[tuple[str, float]]:
+    """The (selection, kept fraction) pairs the table runs: SnapKV at every budget, the others at
+    `OTHER_SELECTION_BUDGETS`."""
+    return [(sel, b) for b in budgets for sel in selections if sel == "snapkv" or b in OTHER_SELECTION_BUDGETS]
 
 
 def initial_accuracy(
     out: Path, seeds: list[int], budgets: list[float], selections: list[str]
-) -> dict[str, dict[str, float]]:
+) -> dict[str, dict[str, Any]]:
     """Held-out metrics of each seed's warm-up policy served with each compressor (before RL), cached in
     ``initial_accuracy.json`` with the evaluation settings (other settings start the cache afresh); the dense
     entry is the warm-up cell's own evaluation."""
@@ -153,7 +253,7 @@ def initial_accuracy(
     for seed in seeds:
         found[f"dense-seed{seed}"] = json.loads((out / "cells" / f"warmup-seed{seed}.json").read_text())["eval"]
         policy, tokenizer = None, None
-        for selection, budget in [(sel, b) for b in budgets for sel in selections]:
+        for selection, budget in compressed_settings(budgets, selections):
             key = f"{selection}-b{budget}-seed{seed}"
             if key in found:
                 continue
@@ -162,7 +262,7 @@ def initial_accuracy(
                 policy, tokenizer = load_causal_lm(str(path), dtype=torch.float32), load_tokenizer(str(path))
             compressor = _instantiate(compressor_spec(selection, budget, seed))
             found[key] = evaluate_policy(policy, tokenizer, EvalSettings(**EVAL), compressor=compressor, seed=seed)
-            cache.write_text(json.dumps({"eval": EVAL, "results": found}, indent=1))
+            write_atomic(cache, json.dumps({"eval": EVAL, "results": found}, indent=1))
     return found
 
 
@@ -186,14 +286,19 @@ def _mean_over(points: list[list[float]] | None) -> float | None:
     return statistics.fmean(v for _, v in points) if points else None
 
 
-def _fmt(values: list[float | None], digits: int = 3, spread: bool = True) -> str:
-    values = [v for v in values if v is not None]
-    if not values:
+def _number(value: float, digits: int) -> str:
+    return f"{value:.{digits}f}" if abs(value) >= 10**-digits or value == 0 else f"{value:.1e}"
+
+
+def _fmt(values: list[float | None], digits: int = 3, interval: bool = True) -> str:
+    """``mean ± half width`` of the 95% t interval over the non-None values (the mean alone for one value or with
+    ``interval=False``); ``-`` when there are none."""
+    stats = mean_interval(values)
+    if stats is None:
         return "-"
-    mean = statistics.fmean(values)
-    text = f"{mean:.{digits}f}" if abs(mean) >= 10 ** -digits or mean == 0 else f"{mean:.1e}"
-    if spread and len(values) > 1:
-        text += f" ± {(max(values) - min(values)) / 2:.{digits}f}"
+    text = _number(stats.mean, digits)
+    if interval and stats.half_width is not None:
+        text += f" ± {stats.half_width:.{digits}f}"
     return text
 
 
@@ -202,10 +307,17 @@ def row_key(meta: dict[str, Any]) -> tuple:
     return (meta.get("budget") or 0.0, meta.get("selection") or "", meta["mode"], meta.get("lambda"))
 
 
+def _position_means(curves: list[list[float] | None]) -> list[float]:
+    """Per-position mean over seeds of per-position curves (positions some seeds lack are averaged over the rest)."""
+    curves = [c for c in curves if c]
+    width = max((len(c) for c in curves), default=0)
+    return [statistics.fmean(c[i] for c in curves if i < len(c)) for i in range(width)]
+
+
 def summarise(
-    results: dict[str, dict[str, Any]], initial: dict[str, dict[str, float]], steps: int
+    results: dict[str, dict[str, Any]], initial: dict[str, dict[str, Any]], steps: int
 ) -> tuple[str, list[dict]]:
-    """The markdown table and its rows (means over seeds) from the cell results."""
+    """The markdown table and its rows (per-seed values, aggregated as mean ± 95% t interval) from the cell results."""
     groups: dict[tuple, list[dict[str, Any]]] = {}
     for result in results.values():
         meta = result["cell"]["meta"]
@@ -213,47 +325,114 @@ def summarise(
             groups.setdefault(row_key(meta), []).append(result)
     lines = [
         "| compression | selection | mode | λ | seeds | reward (last 20%) | acc before | acc after | Δ acc "
-        "| greedy acc (dense) | mismatch mean | mismatch max | Sparse-RL rejected seq / masked tok | learner s/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| acc after, dense-served | greedy acc (dense) | length | mismatch mean | mismatch max "
+        "| served mismatch first / last position | Sparse-RL rejected seq / masked tok | learner s/step |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = []
     order = {"dense": 0, "naive": 1, "sparse_rl": 2, "smd": 3}  # dense first, then by falling budget
     for key in sorted(groups, key=lambda k: (k[2] != "dense", -k[0], SELECTIONS.index(k[1]) if k[1] else -1,
-                                             order[k[2]], k[3] or 0)):  # fmt: skip
-        runs = groups[key]
+                                             order.get(k[2], 9), k[3] or 0)):  # fmt: skip
+        runs = sorted(groups[key], key=lambda r: r["cell"]["meta"]["seed"])
         budget, selection, mode, lam = key
         seeds = [r["cell"]["meta"]["seed"] for r in runs]
         prefix = "dense" if mode == "dense" else f"{selection}-b{budget}"
         before = [initial.get(f"{prefix}-seed{s}", {}).get("accuracy") for s in seeds]
         after = [r["eval"]["accuracy"] for r in runs]
-        delta = [a - b for a, b in zip(after, before, strict=True) if b is not None]
+        delta = [None if b is None else a - b for a, b in zip(after, before, strict=True)]
         sc = [r["scalars"] for r in runs]
+        positions = [r["eval"].get("mismatch_by_position") for r in runs]
         row = {
             "compression": f"{round((1 - budget) * 100)}%" if mode != "dense" else "0%", "selection": selection or "-",
             "mode": mode, "lambda": lam, "seeds": seeds, "reward_last": [_last(s, "rollout/reward_mean") for s in sc],
             "acc_before": before, "acc_after": after, "delta": delta,
-            "greedy_after": [r["eval"]["greedy_accuracy"] for r in runs],
+            "acc_after_dense": [r.get("eval_dense", r["eval"])["accuracy"] for r in runs],
+            "greedy_after": [r["eval"].get("greedy_accuracy") for r in runs],
+            "length": [r["eval"].get("length") for r in runs],
             "mismatch_mean": [_mean_over(s.get("mismatch/logprob_abs_diff_mean")) for s in sc],
             "mismatch_max": [max((v for _, v in s.get("mismatch/logprob_abs_diff_max", [])), default=None) for s in sc],
+            "served_mismatch_by_position": _position_means(positions),
             "rejected": [_mean_over(s.get("sparse_rl/rejected_sequence_fraction")) for s in sc],
             "masked": [_mean_over(s.get("sparse_rl/masked_token_fraction")) for s in sc],
             "learner_s": [_mean_over(s.get("time/learner_s")) for s in sc],
         }  # fmt: skip
         rows.append(row)
-        sparse = "-" if mode != "sparse_rl" else f"{_fmt(row['rejected'], 2, False)} / {_fmt(row['masked'], 2, False)}"
+        sparse = "-" if mode != "sparse_rl" else f"{_fmt(row['rejected'], 3)} / {_fmt(row['masked'], 3)}"
+        curve = row["served_mismatch_by_position"]
+        served = f"{_number(curve[0], 3)} / {_number(curve[-1], 3)}" if curve else "-"
         lines.append(
             f"| {row['compression']} | {row['selection']} | {mode} | {'-' if lam is None else lam} | {len(seeds)} "
             f"| {_fmt(row['reward_last'])} | {_fmt(before)} | {_fmt(after)} | {_fmt(delta)} "
-            f"| {_fmt(row['greedy_after'])} | {_fmt(row['mismatch_mean'], 3, False)} "
-            f"| {_fmt(row['mismatch_max'], 3, False)} | {sparse} | {_fmt(row['learner_s'], 3, False)} |"
+            f"| {_fmt(row['acc_after_dense'])} | {_fmt(row['greedy_after'])} | {_fmt(row['length'], 2)} "
+            f"| {_fmt(row['mismatch_mean'], 3, False)} | {_fmt(row['mismatch_max'], 3, False)} | {served} | {sparse} "
+            f"| {_fmt(row['learner_s'], 3, False)} |"
         )
     header = (
-        f"{steps} GRPO steps per run; mean over seeds ± half the range. 'acc' is held-out avg@4 at temperature 1, "
-        "sampled with the cell's compressed cache (dense for the dense row) before and after RL; 'greedy' decodes "
-        "densely. Mismatch = |log mu - log pi_learner| on first passes, all steps; Sparse-RL fractions are means "
+        f"{steps} GRPO steps per run; mean over seeds ± the half width of its 95% Student-t interval. 'acc' is "
+        "held-out accuracy (avg@n at temperature 1; mean partial credit on the chain task) sampled with the cell's "
+        "compressed cache (dense for the dense row) before and after RL; 'dense-served' samples the same trained "
+        "policy with a dense cache; 'greedy' decodes densely. Mismatch = |log mu - log pi_learner| on first passes, "
+        "all steps (mean of the per-step means, max of the maxima); served mismatch = |log mu - log pi_dense| of the "
+        "trained policy's compressed samples at the first and last completion position; Sparse-RL rates are means "
         "over steps.\n\n"
     )
     return header + "\n".join(lines) + "\n", rows
+
+
+COMPARISONS = (
+    (("smd", DEFAULT_LAMBDA), ("naive", None)),
+    (("smd", DEFAULT_LAMBDA), ("sparse_rl", None)),
+    (("naive", None), ("sparse_rl", None)),
+    (("smd", DEFAULT_LAMBDA), ("smd", 0.0)),
+    (("smd", DEFAULT_LAMBDA), ("smd", 0.8)),
+)
+"""(mode, lambda) pairs compared at each compression setting, first minus second."""
+
+
+def paired_differences(rows: list[dict], metric: str = "acc_after") -> list[dict[str, Any]]:
+    """Per compression setting, the seed-paired differences of ``metric`` between the `COMPARISONS` pairs (same warm-up
+    and data per seed), their mean and 95% t interval, and whether the interval excludes 0 (``resolved``)."""
+    by_key = {(r["compression"], r["selection"], r["mode"], r["lambda"]): r for r in rows}
+    found = []
+    settings = dict.fromkeys((r["compression"], r["selection"]) for r in rows if r["mode"] != "dense")
+    for compression, selection in settings:
+        for (mode_a, lam_a), (mode_b, lam_b) in COMPARISONS:
+            a = by_key.get((compression, selection, mode_a, lam_a))
+            b = by_key.get((compression, selection, mode_b, lam_b))
+            if a is None or b is None:
+                continue
+            values_b = dict(zip(b["seeds"], b[metric], strict=True))
+            diffs = [v - values_b[s] for s, v in zip(a["seeds"], a[metric], strict=True)
+                     if v is not None and values_b.get(s) is not None]  # fmt: skip
+            stats = mean_interval(diffs)
+            if stats is None:
+                continue
+            found.append({
+                "compression": compression, "selection": selection, "metric": metric,
+                "a": f"{mode_a}" + ("" if lam_a is None else f" λ={lam_a}"),
+                "b": f"{mode_b}" + ("" if lam_b is None else f" λ={lam_b}"),
+                "differences": diffs, "mean": stats.mean, "half_width": stats.half_width,
+                "resolved": stats.half_width is not None and (stats.low > 0 or stats.high < 0),
+            })  # fmt: skip
+    return found
+
+
+def comparisons_table(found: list[dict[str, Any]]) -> str:
+    """Markdown of `paired_differences`."""
+    lines = [
+        "Seed-paired differences (first minus second) of the held-out accuracy after RL, served as trained; mean ± "
+        "95% t interval over seeds. 'resolved' = the interval excludes 0.\n",
+        "| compression | selection | comparison | seeds | difference | resolved |",
+        "|---|---|---|---|---|---|",
+    ]
+    for f in found:
+        half = "" if f["half_width"] is None else f" ± {f['half_width']:.3f}"
+        verdict = "yes" if f["resolved"] else "no"
+        lines.append(
+            f"| {f['compression']} | {f['selection']} | {f['a']} − {f['b']} | {len(f['differences'])} "
+            f"| {f['mean']:+.3f}{half} | {verdict} |"
+        )
+    return "\n".join(lines) + "\n"
 
 
 def plot_smoothed(ax: Any, points: list[list[float]] | None, label: str, windows: int = 20) -> None:
@@ -279,17 +458,16 @@ def save_figure(fig: Any, axes: Any, title: str, path: Path) -> None:
 
 
 def plot_curves(results: dict[str, dict[str, Any]], path: Path, budget: float, selection: str = "snapkv") -> None:
-    """Reward, learner entropy and mismatch curves per mode (the lowest seed) at ``budget`` with ``selection``.
-
-    (Completion length is not plotted: the task's completions are always two tokens.)
-    """
+    """Reward, learner entropy, mismatch and completion-length curves per mode (the lowest seed) at ``budget`` with
+    ``selection``."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
     keys = [("rollout/reward_mean", "reward (compressed sampler)"), ("train/entropy", "learner entropy (nats)"),
-            ("mismatch/logprob_abs_diff_mean", "|log mu - log pi| mean")]  # fmt: skip
+            ("mismatch/logprob_abs_diff_mean", "|log mu - log pi| mean"),
+            ("rollout/completion_length_mean", "completion length (tokens)")]  # fmt: skip
     fig, axes = plt.subplots(1, len(keys), figsize=(5 * len(keys), 3.6))
     rl = [r for r in results.values() if "mode" in r["cell"]["meta"]]
     seed = min(r["cell"]["meta"]["seed"] for r in rl)
@@ -308,29 +486,71 @@ def plot_curves(results: dict[str, dict[str, Any]], path: Path, budget: float, s
     save_figure(fig, axes, title, path)
 
 
+def plot_mismatch_positions(rows: list[dict], path: Path, compression: str, selection: str = "snapkv") -> None:
+    """The trained compressed samplers' ``|log mu - log pi_dense|`` along the completion, per mode (mean over seeds)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for row in rows:
+        curve = row["served_mismatch_by_position"]
+        if curve and (row["compression"], row["selection"]) == (compression, selection):
+            label = row["mode"] + ("" if row["lambda"] is None else f" λ={row['lambda']}")
+            ax.plot(range(len(curve)), curve, marker=".", label=label)
+    ax.set_xlabel("completion position")
+    ax.set_ylabel("|log mu - log pi_dense|, mean")
+    ax.legend(fontsize=7)
+    fig.suptitle(f"Served mismatch along the completion, {compression} compression ({selection})")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--out", default=str(ROOT / "out" / "repro"), help="work folder (resumable)")
-    parser.add_argument("--seeds", type=int, nargs="+", default=[0, 1])
-    parser.add_argument("--steps", type=int, default=150, help="GRPO steps per run")
-    parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.3], help="kept KV fraction")
-    parser.add_argument("--selections", nargs="+", choices=SELECTIONS, default=list(SELECTIONS))
+    parser.add_argument("--task", choices=sorted(TASKS), default="retrieval", help="quick (retrieval) or long (chain)")
+    parser.add_argument("--seeds", type=int, nargs="+", default=None, help=f"default {SEEDS}")
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps per run (default 150)")
+    parser.add_argument("--budgets", type=float, nargs="+", default=None, help="kept KV fraction (default 0.5 0.3)")
+    parser.add_argument("--selections", nargs="+", choices=SELECTIONS, default=None)
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--lambdas", type=float, nargs="+", default=None, help=f"SMD's sweep (default {LAMBDAS})")
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one torch thread each)")
     parser.add_argument("--warmup-max-steps", type=int, default=None, help="cap of the warm-up (default: its config)")
-    parser.add_argument("--eval-prompts", type=int, default=EVAL["num_prompts"], help="held-out prompts per evaluation")
+    parser.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts per evaluation")
+    parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the pipeline end to end")
     args = parser.parse_args(argv)
+    defaults = {"seeds": SEEDS, "steps": 150, "budgets": [0.5, 0.3], "selections": list(SELECTIONS),
+                "lambdas": list(LAMBDAS), "warmup_max_steps": None, "eval_prompts": None}  # fmt: skip
+    for name, value in {**defaults, **(QUICK if args.quick else {})}.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
     out = Path(args.out)
-    EVAL["num_prompts"] = args.eval_prompts
-    run_cells([warmup_cell(out, seed, args.warmup_max_steps) for seed in args.seeds], out, args.jobs)
-    initial = initial_accuracy(out, args.seeds, args.budgets, args.selections)
-    results = run_cells(grpo_cells(out, args.seeds, args.budgets, args.selections, args.steps), out, args.jobs)
+    configure(args.task, args.eval_prompts, args.quick)
+    for stage in warmup_stages(out, args.seeds, args.warmup_max_steps):
+        run_cells(stage, out, args.jobs)
+    compressed_modes = [m for m in args.modes if m != "dense"]
+    initial = initial_accuracy(out, args.seeds, args.budgets if compressed_modes else [], args.selections)
+    cells = grpo_cells(out, args.seeds, args.budgets, args.selections, args.steps, tuple(args.modes),
+                       tuple(args.lambdas))  # fmt: skip
+    results = run_cells(cells, out, args.jobs)
     table, rows = summarise(results, initial, args.steps)
-    print(table)
-    (out / "smd_table.md").write_text(table)
-    (out / "smd_table.json").write_text(json.dumps({"rows": rows, "initial": initial, "args": vars(args)}, indent=1))
-    for budget in args.budgets:
-        plot_curves(results, out / f"smd_curves_b{budget}.png", budget, args.selections[0])
-    return {"table": table, "rows": rows}
+    found = paired_differences(rows)
+    comparisons = comparisons_table(found)
+    print(table + "\n" + comparisons)
+    write_atomic(out / "smd_table.md", table)
+    write_atomic(out / "smd_comparisons.md", comparisons)
+    summary = {"task": args.task, "rows": rows, "comparisons": found, "initial": initial, "args": vars(args)}
+    write_atomic(out / "smd_table.json", json.dumps(summary, indent=1))
+    if results:
+        for budget in args.budgets:
+            plot_curves(results, out / f"smd_curves_b{budget}.png", budget, args.selections[0])
+            plot_mismatch_positions(rows, out / f"smd_mismatch_positions_b{budget}.png",
+                                    f"{round((1 - budget) * 100)}%", args.selections[0])  # fmt: skip
+    return {"table": table, "rows": rows, "comparisons": found}
 
 
 if __name__ == "__main__":

@@ -43,8 +43,8 @@ class Experience:
         advantages: ``[B]`` group-relative advantages, computed over the whole rollout batch.
         loss_mask: ``[B, N]`` bool, the tokens that enter the policy loss (completion tokens, minus masked truncated
             completions, minus Sparse-RL rejections).
-        old_logprobs: ``[B, N]`` the ratio's denominator, fixed at rollout time: the rollout log-probs, or the dense
-            ``pi_old`` log-probs (Sparse-RL).
+        old_logprobs: ``[B, N]`` the ratio's denominator, fixed at rollout time: the rollout log-probs (dense, smd,
+            mu_ratio), or the dense ``pi_old`` log-probs recomputed before any update (naive, sparse_rl).
         token_weights: ``[B, N]`` per-token importance weights (Sparse-RL) or None.
         ref_logprobs: ``[B, N]`` reference log-probs under the learner's view, or None without a reference.
         reward_components: Each reward function's unweighted ``[B]`` values, by name.

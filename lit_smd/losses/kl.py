@@ -225,26 +225,33 @@ def sampled_reverse_kl(
     student_logprobs: Tensor,
     teacher_logprobs: Tensor,
     mask: Tensor | None = None,
+    reverse_weight: float = 1.0,
 ) -> Tensor:
     """Reverse KL from sampled tokens: REINFORCE with the dense reward ``r = log p_T - log q_S`` (on-policy distill).
 
-    The tokens must be sampled from the student. The gradient is that of the surrogate ``-sg[r] * log q_S``, whose
-    expectation over ``y ~ q_S`` is the exact gradient of ``KL(q_S || p_T)`` at each prefix (Proposition 1 of arXiv
-    2605.16826; the baseline term vanishes because ``E_q[grad log q] = 0``). The *value* returned is ``-sg[r]``, i.e.
-    ``log q_S - log p_T`` (Schulman's k1, an unbiased estimate of the reverse KL), so it can be logged as one; the
-    gradient is unchanged by this.
+    The tokens must be sampled from the student. The gradient is that of the surrogate ``-w_r * sg[r] * log q_S``,
+    whose expectation over ``y ~ q_S`` is the exact gradient of ``w_r * KL(q_S || p_T)`` at each prefix (Proposition 1
+    of arXiv 2605.16826; the baseline term vanishes because ``E_q[grad log q] = 0``). The *value* returned is
+    ``-w_r * sg[r]``, i.e. ``w_r * (log q_S - log p_T)`` (Schulman's k1, an unbiased estimate of the weighted reverse
+    KL), so it can be logged as one; the gradient is unchanged by this. There is no forward-KL weight: a forward KL
+    needs the teacher's distribution (``chunked_token_kl`` / ``topk_token_kl``), not the student's samples.
 
     Args:
         student_logprobs: ``log q_S(y_t | s_t)`` of the sampled tokens, differentiable, shape ``[B, T]`` (or ``[N]``).
         teacher_logprobs: ``log p_T(y_t | s_t)`` of the same tokens, same shape; detached here.
         mask: Valid tokens, same shape; bool, or float per-token weights. ``None`` keeps all.
+        reverse_weight: ``w_r > 0``, the weight of the reverse KL (as in ``token_kl``).
 
     Returns:
-        Scalar: the mask-weighted mean of the k1 estimate, carrying the REINFORCE gradient.
+        Scalar: the mask-weighted mean of ``w_r`` times the k1 estimate, carrying the REINFORCE gradient.
 
     Raises:
-        ValueError: On mismatched shapes.
+        ValueError: On mismatched shapes, or a ``reverse_weight`` that is not finite and > 0.
     """
+    if not 0 < reverse_weight < math.inf:
+        raise ValueError(
+            f"reverse_weight must be finite and > 0 for the sampled reverse-KL estimator, got {reverse_weight}"
+        )
     if student_logprobs.shape != teacher_logprobs.shape:
         raise ValueError(
             f"student_logprobs shape {tuple(student_logprobs.shape)} != teacher_logprobs shape "
@@ -256,7 +263,7 @@ def sampled_reverse_kl(
     reward = (teacher_logprobs.to(dtype) - log_q).detach()  # [B, T] r = log p_T - log q_S
     per_token = -reward * (log_q - log_q.detach()) - reward  # [B, T] value -r, gradient -r * grad log q
     weights = _token_weights(mask, per_token.shape, dtype, per_token.device)  # [B, T]
-    return (per_token * weights).sum() / _denominator(weights, None)
+    return reverse_weight * (per_token * weights).sum() / _denominator(weights, None)
 
 
 class _ChunkedLinearLoss(torch.autograd.Function):

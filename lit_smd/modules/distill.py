@@ -22,7 +22,9 @@ Algorithm
     - ``"topk"``: against the teacher's ``top_k`` log-probs (cached, or computed online), the tail renormalised or
       kept as one bucket (``tail``; `lit_smd.losses.kl_topk.topk_token_kl`).
     - ``"sampled"``: reverse KL only, as REINFORCE with the dense reward ``log p_T - log q_S`` on the student's own
-      sampled tokens, stop-gradient on the reward (`lit_smd.losses.kl.sampled_reverse_kl`); student prefixes only.
+      sampled tokens, stop-gradient on the reward, scaled by ``reverse_weight``
+      (`lit_smd.losses.kl.sampled_reverse_kl`); student prefixes only, and ``forward_weight`` must be 0 (refused
+      otherwise: no forward KL from student samples).
 
     The maximum completion length is ``max_new_tokens``, changed during training by
     `lit_smd.callbacks.EntropyCurriculum` through `set_max_new_tokens` (cached teacher trajectories are truncated to
@@ -356,9 +358,9 @@ class DistillModule(LightningModule):
                     teacher_hidden, teacher_head.weight, teacher_head.bias, ids, temperature=self.temperature,
                     chunk_size=chunk,
                 )  # fmt: skip
-            loss = sampled_reverse_kl(logprobs, teacher_logprobs, mask)
+            loss = sampled_reverse_kl(logprobs, teacher_logprobs, mask, reverse_weight=self.reverse_weight)
             metrics = {
-                "distill/reverse_kl": loss.detach(),
+                "distill/reverse_kl": loss.detach() / self.reverse_weight,  # the unweighted k1 estimate
                 "distill/student_entropy": masked_mean(entropy.detach().double(), mask),
             }
         else:

@@ -9,13 +9,17 @@ Algorithm
 
     Rollouts are sampled with a compressed KV cache (`lit_smd.rollout.generate` with a compressor): the sampler is the
     *sparse* policy ``mu = pi_theta(. | x, M)``, where ``M`` is the shadow mask, the record of which keys each
-    generated token could see. The four modes differ in the learner's view and the correction:
+    generated token could see. The modes differ in the learner's view and the correction:
 
     ==========  ==========  ==========================  ================================================================
     mode        rollout     learner (with gradient)     ratio denominator and correction
     ==========  ==========  ==========================  ================================================================
     dense       dense       dense                       rollout log-probs (dense sampler); none
-    naive       compressed  dense                       rollout log-probs ``mu``; none (the off-policy baseline)
+    naive       compressed  dense                       dense ``pi_old`` recomputed at rollout time; none (the standard
+                                                        learner of TRL / verl / slime on a compressed sampler)
+    mu_ratio    compressed  dense                       rollout log-probs ``mu``; none declared, but PPO's clip acts as
+                                                        a hidden one-sided importance correction (not a baseline of
+                                                        the papers; kept to compare with the tables before the fix)
     sparse_rl   compressed  dense                       dense ``pi_old`` recomputed at rollout time; Sparse-RL veto,
                                                         token mask and weights on ``xi = pi_old / mu``
     smd         compressed  masked by ``M``             rollout log-probs ``mu`` (= ``pi_old^M``: exact replay);
@@ -42,8 +46,13 @@ Departures and choices (from the papers, TRL and the SMD repository)
     - Sparse-RL's correction (veto, token bounds, weight normalisation) is computed once per rollout batch in
       `make_experience`, over the whole batch as the paper normalises, and reused by every minibatch and iteration.
     - ``num_iterations`` passes (run by the data side, see `lit_smd.datamodules.RolloutDataModule`) keep the
-      rollout-time denominators: ``mu`` (dense / naive / smd) or the rollout-time dense ``pi_old`` (sparse_rl). For
-      smd ``mu`` is exactly ``pi_old^M``, the masked policy before the update.
+      rollout-time denominators: ``mu`` (dense / mu_ratio / smd) or the rollout-time dense ``pi_old`` (naive /
+      sparse_rl). For smd ``mu`` is exactly ``pi_old^M``, the masked policy before the update.
+    - ``naive`` is the standard learner (TRL, verl, slime, and the decomposition Sparse-RL assumes): the ratio divides
+      by the dense policy's own log-probs before the update, so it is exactly 1 on the first pass with
+      ``num_iterations=1`` and the sampler's ``mu`` enters nowhere. ``mu_ratio`` divides by ``mu`` instead (this
+      project's "naive" before the fix): the ratio ``pi_theta / mu`` then carries the sampler-learner gap, and PPO's
+      clip truncates it one-sidedly, a hidden importance correction. It is an option for comparison, never a baseline.
     - The reference KL uses the learner's view: the reference scores the masked view in smd mode and the dense view
       otherwise, so it measures how far the trained view moved from the same view of the reference. ``beta=0`` and no
       ``reference`` loads no reference model; a ``reference`` with ``beta=0`` is scored for ``train/kl_ref`` only.
@@ -109,7 +118,7 @@ from lit_smd.rollout import Rollout, completion_hidden_states
 
 __all__ = ["GRPOModule", "Mode"]
 
-Mode = Literal["dense", "naive", "sparse_rl", "smd"]
+Mode = Literal["dense", "naive", "mu_ratio", "sparse_rl", "smd"]
 KLStopGradient = Literal["dense", "masked"]
 
 
@@ -141,9 +150,9 @@ class GRPOModule(LightningModule):
     Args:
         policy: The model to train: a Hugging Face causal LM, or a hub id / local directory loaded in
             `configure_model` with `lit_smd.models.load_causal_lm`.
-        mode: ``"dense"``, ``"naive"``, ``"sparse_rl"`` or ``"smd"`` (see the module docstring).
-        compressor: KV compressor of the rollouts (a `lit_smd.kv` compressor). Required by naive, sparse_rl and
-            smd; must be None for dense.
+        mode: ``"dense"``, ``"naive"``, ``"mu_ratio"``, ``"sparse_rl"`` or ``"smd"`` (see the module docstring).
+        compressor: KV compressor of the rollouts (a `lit_smd.kv` compressor). Required by naive, mu_ratio,
+            sparse_rl and smd; must be None for dense.
         reference: Frozen reference for the k3 KL: a model, a hub id / directory, or None for a frozen copy of the
             initial policy when ``beta > 0`` (with ``lora``: the policy's base weights, adapters disabled; no copy),
             and no reference at all when ``beta == 0``.
@@ -488,9 +497,10 @@ class GRPOModule(LightningModule):
         """Turn a scored rollout batch into an `Experience`: advantages, loss mask, ratio denominators, metrics.
 
         Computes what the mode needs before any update: the group advantages, the loss mask (``completion_mask``,
-        minus truncated completions with ``mask_truncated_completions``), the dense ``pi_old`` log-probs and the
-        Sparse-RL mask and weights (sparse_rl, over the whole batch), the reference log-probs (when a reference is
-        loaded), and the ``rollout/``, ``kv/`` and ``sparse_rl/`` metrics. Works for a `Rollout` from any source.
+        minus truncated completions with ``mask_truncated_completions``), the dense ``pi_old`` log-probs (naive,
+        sparse_rl) and the Sparse-RL mask and weights (sparse_rl, over the whole batch), the reference log-probs
+        (when a reference is loaded), and the ``rollout/``, ``kv/`` and ``sparse_rl/`` metrics. Works for a `Rollout`
+        from any source.
 
         Args:
             rollout: ``B`` completions, the ``group_size`` completions of each prompt consecutive.
@@ -525,8 +535,9 @@ class GRPOModule(LightningModule):
                 )
         out_metrics = rollout_metrics(rollout, rewards, advantages, group_size, reward_components or {})
         old_logprobs, token_weights = rollout.logprobs, None
-        if self.mode == "sparse_rl":
+        if self.mode in ("naive", "sparse_rl"):
             old_logprobs = self._score(self.policy, rollout, shadow=False)  # [B, N] dense pi_old
+        if self.mode == "sparse_rl":
             correction = sparse_rl_correction(old_logprobs, rollout.logprobs, loss_mask, self.sparse_rl)
             loss_mask, token_weights = correction.mask, correction.weights
             out_metrics.update(sparse_rl_metrics(correction))

@@ -12,7 +12,7 @@ from lit_smd.tasks.datasets import (
     resolve_dataset,
     tldr,
 )
-from lit_smd.tasks.synthetic import arithmetic, key_value_retrieval
+from lit_smd.tasks.synthetic import arithmetic, key_value_retrieval, multi_hop_chain
 
 __all__ = [
     "TASKS",
@@ -24,6 +24,7 @@ __all__ = [
     "key_value_retrieval",
     "load_rows",
     "load_task",
+    "multi_hop_chain",
     "prepare_prompts",
     "resolve_dataset",
     "tldr",

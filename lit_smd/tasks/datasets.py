@@ -36,7 +36,7 @@ from lit_smd.tasks.chat import (
     render_prompts,
     uses_chat_template,
 )
-from lit_smd.tasks.synthetic import arithmetic, key_value_retrieval
+from lit_smd.tasks.synthetic import arithmetic, key_value_retrieval, multi_hop_chain
 
 logger = logging.getLogger(__name__)
 
@@ -330,6 +330,7 @@ TASKS: dict[str, Callable[..., Dataset]] = {
     "hotpotqa": hotpotqa,
     "key_value_retrieval": key_value_retrieval,
     "math": competition_math,
+    "multi_hop_chain": multi_hop_chain,
     "tldr": tldr,
 }
 

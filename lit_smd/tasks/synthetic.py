@@ -1,19 +1,26 @@
 """Offline synthetic tasks, seeded and of any size, for tests, smoke runs and controlled KV-compression experiments.
 
-Both tasks use only ASCII letters, digits, punctuation, spaces and newlines, so a character-level tokenizer covers
-them, and both are scored by :func:`lit_smd.rewards.math_answer_reward` against the ``answer`` column.
+The tasks use only ASCII letters, digits, punctuation, spaces and newlines, so a character-level tokenizer covers
+them; retrieval and arithmetic are scored by :func:`lit_smd.rewards.math_answer_reward` against the ``answer`` column
+(the quick, short task), the chain by :func:`lit_smd.rewards.chain_hops_reward`.
 
 - :func:`key_value_retrieval`: a long list of ``key<k>=<v>;`` pairs followed by a query for one key. Exactly one pair
   matters and it sits anywhere in the prompt (its index is the ``position`` column), so which keys a compressor keeps
   decides the reward: the smallest setting in which dense and compressed rollouts differ. ``style="compact"`` writes
   the pairs as ``<digit key><digit value>`` (``"307 512 183 1"`` -> ``"83"``), a format tiny models learn in minutes;
   ``num_queries > 1`` adds multi-query (MQAR) turns for a supervised warm-up.
+- :func:`multi_hop_chain`: the long-completion task. A shuffled list of ``<node><successor>`` pairs forming one
+  cycle, then a start node; the answer writes ``num_hops`` successive hops (``num_hops`` tokens with a
+  character-level tokenizer). Every answer token is a lookup of the previous one somewhere in the prompt, so the
+  evidence is spread over the whole prompt and an error (or an evicted pair) derails the rest of the chain: error
+  compounding over a long generation. ``num_hops`` is the length knob of a curriculum;
+  :func:`lit_smd.rewards.chain_hops_reward` gives partial credit (the share of leading hops that are right).
 - :func:`arithmetic`: word-free GSM8K-format problems (``What is 12 + 7 * 3?``) with a worked ``solution`` that ends in
   ``#### <answer>``, for a supervised warm-up before RL.
 
 Columns: ``prompt`` (str), ``answer`` (str), ``solution`` (str, the supervised target: the bare value for retrieval),
 and for retrieval also ``position`` (int), plus ``query_prompts`` / ``query_answers`` (lists of str) with
-``num_queries > 1``.
+``num_queries > 1``; for the chain also ``num_hops`` (int).
 """
 
 import random
@@ -106,6 +113,61 @@ def key_value_retrieval(
             follow_ups = [f" {keys[i]}" if compact else f"\nkey{keys[i]}?" for i in asked]
             rows["query_prompts"].append([prompt, *follow_ups])
             rows["query_answers"].append([values[i] for i in (position, *asked)])
+    return Dataset.from_dict(rows)
+
+
+CHAIN_NODES = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
+"""The symbols `multi_hop_chain` names its nodes with (one character, one token of a character-level tokenizer)."""
+
+
+def multi_hop_chain(size: int, num_hops: int = 32, num_nodes: int = 40, seed: int = 0) -> Dataset:
+    """Multi-hop chain following: ``"ab cd bc da b"`` -> ``"cda"`` (the successors of ``b``, then of ``c``, ...).
+
+    Each row draws ``num_nodes`` distinct symbols of `CHAIN_NODES` and links them into one random cycle; the prompt
+    lists every node with its successor as a two-character word ``<node><successor>``, in shuffled order, then a
+    space and the start node. The answer is the next ``num_hops`` nodes of the cycle, written without separators, so
+    the completion continues the chain the prompt ends with: every answer character is the successor of the one before
+    it, looked up in the list (an induction-head lookup, as in compact `key_value_retrieval`, once per hop). Since
+    ``num_hops < num_nodes`` no node repeats within the start node and the answer: nothing can be copied from the
+    completion itself, every hop needs the prompt, and the pairs the answer needs are spread uniformly over it.
+
+    Sizes: the prompt is ``3 * num_nodes + 1`` characters, the answer ``num_hops``; with a character-level tokenizer
+    (`lit_smd.models.build_tiny_tokenizer`) characters are tokens. ``num_hops`` is the curriculum's length knob; a
+    row's answer for fewer hops is a prefix of its answer for more (same ``seed``, ``num_nodes`` and ``size``), so
+    only the length changes along a ladder.
+
+    Args:
+        size: Number of rows.
+        num_hops: Hops to write (answer length), ``1 <= num_hops < num_nodes``.
+        num_nodes: Nodes (pairs) per prompt, ``2 <= num_nodes <= len(CHAIN_NODES)`` (62).
+        seed: Seed of the generator; the same arguments always give the same rows.
+
+    Returns:
+        A dataset with columns ``prompt``, ``answer``, ``solution`` (equal to ``answer``) and ``num_hops``.
+
+    Raises:
+        ValueError: On a size, node count or hop count out of range (the message names it).
+    """
+    if isinstance(size, bool) or not isinstance(size, int) or size < 0:
+        raise ValueError(f"size must be an integer >= 0, got {size!r}")
+    if not 2 <= num_nodes <= len(CHAIN_NODES):
+        raise ValueError(f"num_nodes must be in [2, {len(CHAIN_NODES)}] (one symbol per node), got {num_nodes}")
+    if not 1 <= num_hops < num_nodes:
+        raise ValueError(
+            f"num_hops must be in [1, num_nodes - 1] = [1, {num_nodes - 1}] (no node may repeat), got {num_hops}"
+        )
+    rng = random.Random(seed)
+    rows: dict[str, list] = {"prompt": [], "answer": [], "solution": [], "num_hops": []}
+    for _ in range(size):
+        cycle = rng.sample(CHAIN_NODES, num_nodes)  # the cycle's order: cycle[i] -> cycle[i + 1]
+        pairs = [cycle[i] + cycle[(i + 1) % num_nodes] for i in range(num_nodes)]
+        rng.shuffle(pairs)
+        start = rng.randrange(num_nodes)
+        answer = "".join(cycle[(start + hop) % num_nodes] for hop in range(1, num_hops + 1))
+        rows["prompt"].append(" ".join(pairs) + " " + cycle[start])
+        rows["answer"].append(answer)
+        rows["solution"].append(answer)
+        rows["num_hops"].append(num_hops)
     return Dataset.from_dict(rows)
 
 

@@ -33,12 +33,15 @@ SNAPKV = SnapKV(0.5, window=2)
 
 # (case, GRPOModule keyword arguments besides the policy, regex); mode="dense" unless given.
 GRPO_ERRORS = [
-    ("unknown mode", {"mode": "fast"}, r"mode must be one of \('dense', 'naive', 'sparse_rl', 'smd'\), got 'fast'"),
+    ("unknown mode", {"mode": "fast"},
+     r"mode must be one of \('dense', 'naive', 'mu_ratio', 'sparse_rl', 'smd'\), got 'fast'"),
     ("smd without compressor", {"mode": "smd"}, r"mode='smd' samples with a compressed KV cache: pass a compressor"),
     ("naive without compressor", {"mode": "naive"}, r"mode='naive' .*pass a compressor"),
+    ("mu_ratio without compressor", {"mode": "mu_ratio"}, r"mode='mu_ratio' .*pass a compressor"),
     ("sparse_rl without compressor", {"mode": "sparse_rl"}, r"mode='sparse_rl' .*pass a compressor"),
     ("dense with compressor", {"compressor": SNAPKV},
-     r"mode='dense' samples without KV compression, but a compressor was given .*pick mode='naive', 'sparse_rl'"),
+     r"mode='dense' samples without KV compression, but a compressor was given .*pick mode='naive', 'mu_ratio', "
+     r"'sparse_rl'"),
     ("compressor by name", {"mode": "smd", "compressor": "snapkv"},
      r"compressor must be a lit_smd.kv compressor, got 'snapkv'"),
     ("zero temperature", {"temperature": 0.0}, r"temperature must be finite and > 0, got 0.0"),

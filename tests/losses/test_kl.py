@@ -68,17 +68,24 @@ def test_forward_kl_gradient_equals_soft_target_cross_entropy_gradient():
     assert teacher.grad is None
 
 
+@pytest.mark.parametrize("reverse_weight", [1.0, 0.2, 3.0])
 @pytest.mark.parametrize("position", range(3))
-def test_reverse_kl_gradient_is_expected_sampled_gradient(position: int):
+def test_reverse_kl_gradient_is_expected_sampled_gradient(position: int, reverse_weight: float):
+    """In expectation over ``v ~ q`` (enumerated exactly, float64), the sampled estimator's value and gradient are
+    those of the full-vocabulary ``reverse_weight * KL(q || p)``."""
     student, teacher = _logits(seed=10 + position), _logits(seed=20 + position).detach()
-    (exact,) = _grads(token_kl(student[None], teacher[None], forward_weight=0, reverse_weight=1), student)
+    full = token_kl(student[None], teacher[None], forward_weight=0, reverse_weight=reverse_weight)
+    (exact,) = _grads(full, student)
     log_p = torch.log_softmax(teacher, -1)
-    expected = torch.zeros_like(student)
-    for v in range(V):  # E_{v ~ q}[grad of the surrogate at v], enumerated over the vocabulary
+    expected, expected_value = torch.zeros_like(student), 0.0
+    for v in range(V):  # E_{v ~ q}[value and gradient of the surrogate at v], enumerated over the vocabulary
         log_q = torch.log_softmax(student, -1)
-        (grad_v,) = _grads(sampled_reverse_kl(log_q[v].view(1, 1), log_p[v].view(1, 1)), student)
+        sampled = sampled_reverse_kl(log_q[v].view(1, 1), log_p[v].view(1, 1), reverse_weight=reverse_weight)
+        (grad_v,) = _grads(sampled, student)
         expected += log_q[v].exp().detach() * grad_v
+        expected_value += log_q[v].exp().item() * sampled.item()
     torch.testing.assert_close(expected, exact, rtol=1e-10, atol=1e-13)
+    assert expected_value == pytest.approx(full.item(), rel=1e-12)
 
 
 def test_sampled_reverse_kl_value_and_mask():

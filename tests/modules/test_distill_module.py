@@ -17,6 +17,7 @@ from lit_smd.datamodules import DistillDataModule
 from lit_smd.losses.kl import token_kl
 from lit_smd.models import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
 from lit_smd.modules import DistillModule
+from lit_smd.rollout import generate, score
 from lit_smd.tasks import arithmetic
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs/distill"
@@ -105,6 +106,37 @@ def test_sampled_reverse_kl_and_online_topk_train(student, teacher, tokenizer):
         assert not unchanged(before, model) and unchanged(teacher_before, teacher)
         assert "distill/reverse_kl" in fit.callback_metrics
         assert ("distill/forward_kl" in fit.callback_metrics) == (kwargs["estimator"] == "topk")
+
+
+def test_sampled_estimator_applies_reverse_weight(tokenizer):
+    """The sampled estimator's loss and gradients scale with ``reverse_weight`` (it used to ignore it); the logged
+    reverse KL stays the unweighted k1 estimate, equal to an independent scoring of the same tokens (float64)."""
+    student = build_tiny_model("qwen3", tokenizer=tokenizer, dtype=torch.float64)
+    teacher = build_tiny_model("qwen3", tokenizer=tokenizer, dtype=torch.float64, **TEACHER)
+    encoded = tokenizer(list(arithmetic(3, seed=4)["prompt"]), padding=True, return_tensors="pt")
+    rollout = generate(
+        student, encoded["input_ids"], encoded["attention_mask"], max_new_tokens=5, num_samples=2,
+        eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+        generator=torch.Generator().manual_seed(0),
+    )  # fmt: skip
+    losses, grads, logged = {}, {}, {}
+    for weight in (1.0, 0.25):
+        module = DistillModule(student, teacher, estimator="sampled", forward_weight=0.0, reverse_weight=weight,
+                               max_new_tokens=5)  # fmt: skip
+        student.zero_grad()
+        loss, metrics = module.distill_loss(rollout)
+        loss.backward()
+        losses[weight], logged[weight] = loss.detach(), metrics["distill/reverse_kl"]
+        grads[weight] = [p.grad.clone() for p in student.parameters()]
+    torch.testing.assert_close(losses[0.25], 0.25 * losses[1.0], rtol=1e-12, atol=0)
+    for quarter, full in zip(grads[0.25], grads[1.0], strict=True):
+        torch.testing.assert_close(quarter, 0.25 * full, rtol=1e-10, atol=1e-14)
+    assert any(g.abs().max() > 0 for g in grads[1.0])
+    with torch.no_grad():
+        k1 = score(student, rollout, shadow=False) - score(teacher, rollout, shadow=False)  # [B, N]
+    expected = k1[rollout.completion_mask].mean()
+    for weight in (1.0, 0.25):
+        torch.testing.assert_close(logged[weight], expected, rtol=1e-10, atol=1e-12)
 
 
 def test_mix_draws_both_prefix_sources_reproducibly(student, teacher, tokenizer):

@@ -14,10 +14,10 @@ from lit_smd.kv import RecentWindow, SnapKV
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.models import save_tiny_checkpoint
 from lit_smd.modules.grpo import GRPOModule
-from lit_smd.rollout import Rollout, completion_hidden_states, generate
+from lit_smd.rollout import Rollout, completion_hidden_states, generate, score
 from lit_smd.tasks import key_value_retrieval
 
-MODES = ("dense", "naive", "sparse_rl", "smd")
+MODES = ("dense", "naive", "mu_ratio", "sparse_rl", "smd")
 
 
 def digit_share(prompts, completions, **kwargs):
@@ -131,26 +131,41 @@ def test_each_mode_trains_and_keeps_the_reference_frozen(mode, tiny_model_factor
     assert list((tmp_path / "grpo").rglob("events.out.tfevents.*")), "no TensorBoard event file"
 
 
-def test_smd_replays_the_rollout_while_naive_does_not(peaky_model_factory, tokenizer):
-    """Same compressed rollouts: SMD's first-pass ratio is 1 and mismatch ~0; the dense (naive) view is far off."""
+def test_smd_replays_the_rollout_and_naive_divides_by_the_dense_policy_not_mu(peaky_model_factory, tokenizer):
+    """Same compressed rollouts, one pass: SMD's ratio is 1 and its mismatch ~0; the naive learner's view is far from
+    the sampler's but its ratio is exactly 1 (denominator = the dense policy before the update, as TRL / verl);
+    mu_ratio divides by the sampler's mu, so its ratio carries the whole gap."""
     policy = peaky_model_factory()
     rollout = sample(policy, tokenizer, RecentWindow(10, sinks=2), max_new_tokens=8)
     rewards = torch.arange(len(rollout), dtype=torch.float64)
-    metrics = {}
-    for mode in ("smd", "naive"):
+    metrics, old = {}, {}
+    for mode in ("smd", "naive", "mu_ratio"):
         module = GRPOModule(copy.deepcopy(policy), mode=mode, compressor=RecentWindow(10, sinks=2), optimizer=adamw)
         experience = module.make_experience(rollout, rewards, group_size=4)
+        old[mode] = experience.old_logprobs
         trainer = make_trainer(max_steps=1)
         trainer.fit(module, train_dataloaders=loader(experience))
         metrics[mode] = {k: float(v) for k, v in trainer.callback_metrics.items()}
 
-    smd, naive = metrics["smd"], metrics["naive"]
+    smd, naive, mu_ratio = metrics["smd"], metrics["naive"], metrics["mu_ratio"]
     assert abs(smd["train/ratio_min"] - 1) < 1e-10 and abs(smd["train/ratio_max"] - 1) < 1e-10
     assert smd["mismatch/logprob_abs_diff_max"] < 1e-10
     assert abs(smd["mismatch/k3_kl"]) < 1e-12
-    assert naive["mismatch/logprob_abs_diff_mean"] > 0.1
-    assert naive["mismatch/k3_kl"] > 0.01
-    assert naive["train/ratio_max"] - naive["train/ratio_min"] > 0.5
+    for gap in (naive, mu_ratio):  # both learners see the dense view: the sampler-learner gap is the same
+        assert gap["mismatch/logprob_abs_diff_mean"] > 0.1
+        assert gap["mismatch/k3_kl"] > 0.01
+    assert naive["mismatch/logprob_abs_diff_mean"] == pytest.approx(mu_ratio["mismatch/logprob_abs_diff_mean"])
+    assert naive["train/ratio_min"] == pytest.approx(1, abs=1e-12)
+    assert naive["train/ratio_max"] == pytest.approx(1, abs=1e-12)
+    assert naive["train/clip_fraction"] == 0
+    assert mu_ratio["train/ratio_max"] - mu_ratio["train/ratio_min"] > 0.5
+    assert mu_ratio["train/clip_fraction"] > 0
+    mask = rollout.completion_mask
+    torch.testing.assert_close(old["mu_ratio"][mask], rollout.logprobs[mask], rtol=0, atol=0)
+    torch.testing.assert_close(old["smd"][mask], rollout.logprobs[mask], rtol=0, atol=0)
+    with torch.no_grad():
+        dense = score(policy, rollout, shadow=False)  # independent dense recomputation, untrained copy
+    torch.testing.assert_close(old["naive"][mask], dense[mask], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("stop_gradient", ["dense", "masked"])

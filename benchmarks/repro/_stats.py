@@ -1,0 +1,91 @@
+"""Seed statistics of the miniature reproduction: the mean over seeds with a two-sided Student-t confidence interval.
+
+The t quantile is computed here (no SciPy in the environment): the CDF of Student's t with an integer number of
+degrees of freedom has a closed form (Abramowitz & Stegun 26.7.3-26.7.4, a finite trigonometric series), inverted by
+bisection to float precision.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from dataclasses import dataclass
+
+__all__ = ["Interval", "mean_interval", "t_quantile"]
+
+
+def _central_probability(t: float, dof: int) -> float:
+    """``P(|T| <= t)`` for Student's t with ``dof`` degrees of freedom (A&S 26.7.3 / 26.7.4), ``t >= 0``."""
+    theta = math.atan(t / math.sqrt(dof))
+    c2 = math.cos(theta) ** 2
+    if dof % 2 == 1:
+        if dof == 1:
+            return 2 * theta / math.pi
+        term, total = math.cos(theta), math.cos(theta)
+        for k in range(3, dof - 1, 2):  # terms cos^3 ... cos^(dof-2), coefficient (2*4*...*(k-1)) / (1*3*...*k)
+            term *= c2 * (k - 1) / k
+            total += term
+        return 2 / math.pi * (theta + math.sin(theta) * total)
+    term, total = 1.0, 1.0
+    for k in range(2, dof - 1, 2):  # terms cos^2 ... cos^(dof-2), coefficient (1*3*...*(k-1)) / (2*4*...*k)
+        term *= c2 * (k - 1) / k
+        total += term
+    return math.sin(theta) * total
+
+
+def t_quantile(confidence: float, dof: int) -> float:
+    """The two-sided Student-t critical value: ``t`` with ``P(|T| <= t) = confidence`` (e.g. 2.776 for 0.95, 4).
+
+    Raises:
+        ValueError: ``confidence`` outside ``(0, 1)`` or ``dof`` < 1.
+    """
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    if isinstance(dof, bool) or not isinstance(dof, int) or dof < 1:
+        raise ValueError(f"dof must be an integer >= 1, got {dof!r}")
+    low, high = 0.0, 1.0
+    while _central_probability(high, dof) < confidence:
+        high *= 2
+    for _ in range(200):
+        mid = (low + high) / 2
+        if _central_probability(mid, dof) < confidence:
+            low = mid
+        else:
+            high = mid
+        if high - low <= 1e-13 * high:
+            break
+    return (low + high) / 2
+
+
+@dataclass(frozen=True)
+class Interval:
+    """Mean over seeds and its confidence interval ``mean ± half_width`` (``half_width`` None for one seed)."""
+
+    mean: float
+    half_width: float | None
+    n: int
+
+    @property
+    def low(self) -> float | None:
+        return None if self.half_width is None else self.mean - self.half_width
+
+    @property
+    def high(self) -> float | None:
+        return None if self.half_width is None else self.mean + self.half_width
+
+
+def mean_interval(values: list[float | None], confidence: float = 0.95) -> Interval | None:
+    """Mean of the non-None ``values`` with the t interval ``t_{n-1} * s / sqrt(n)`` (``s``: sample std, Bessel).
+
+    Returns:
+        None when no value is given; a half width of None with a single value (no interval from one seed).
+    """
+    present = [float(v) for v in values if v is not None]
+    if not present:
+        return None
+    n = len(present)
+    mean = statistics.fmean(present)
+    if n == 1:
+        return Interval(mean, None, 1)
+    half = t_quantile(confidence, n - 1) * statistics.stdev(present) / math.sqrt(n)
+    return Interval(mean, half, n)

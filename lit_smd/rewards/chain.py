@@ -1,0 +1,57 @@
+"""Partial-credit reward of the multi-hop chain task (`lit_smd.tasks.multi_hop_chain`).
+
+The answer is a chain of one-character hops; a hop is right only if every hop before it is right too (after a wrong
+hop the completion follows another chain), so the reward is the share of the gold hops that the completion reproduces
+in order from its first character: ``(length of the common prefix of completion and answer) / len(answer)``.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+from lit_smd.rewards.combine import completion_text
+
+__all__ = ["chain_hops_reward", "correct_leading_hops"]
+
+
+def correct_leading_hops(completion: str, answer: str) -> int:
+    """How many of ``answer``'s hops (characters) ``completion`` reproduces in order from its start.
+
+    Characters after the first wrong one, and any beyond ``len(answer)``, count for nothing.
+    """
+    count = 0
+    for got, want in zip(completion, answer, strict=False):
+        if got != want:
+            break
+        count += 1
+    return count
+
+
+def chain_hops_reward(
+    prompts: Sequence[Any], completions: Sequence[Any], answer: Sequence[str], **kwargs: Any
+) -> list[float]:
+    """Share of the chain written correctly, in order: ``correct_leading_hops(completion, answer) / len(answer)``.
+
+    TRL reward signature: dataset columns arrive as keyword arguments, unknown ones are ignored. The completion is
+    compared character by character from its first character, so it must continue the prompt's chain directly (no
+    leading space), as `lit_smd.tasks.multi_hop_chain` writes its answers.
+
+    Args:
+        prompts: Prompts, unused.
+        completions: Generated texts, plain or conversational (`lit_smd.rewards.completion_text`).
+        answer: Gold chains, one per completion, each non-empty.
+        **kwargs: Other dataset columns and ``completion_ids``, ignored.
+
+    Returns:
+        One reward in ``[0, 1]`` per completion, in steps of ``1 / len(answer)``.
+
+    Raises:
+        ValueError: On an empty gold answer, or completions and answers of different counts.
+    """
+    if len(completions) != len(answer):
+        raise ValueError(f"got {len(completions)} completions but {len(answer)} answers")
+    rewards = []
+    for completion, gold in zip(completions, answer, strict=True):
+        if not gold:
+            raise ValueError("answer must be a non-empty chain of hops, got an empty string")
+        rewards.append(correct_leading_hops(completion_text(completion), gold) / len(gold))
+    return rewards
