@@ -211,3 +211,38 @@ def test_grpo_module_layouts_give_the_same_experience_loss_and_gradients(model64
 def test_grpo_module_rejects_an_unknown_layout(tiny_model):
     with pytest.raises(ValueError, match="learner_layout must be one of"):
         GRPOModule(tiny_model, mode="dense", learner_layout="packed")
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_flex_block_mask_matches_the_sdpa_masks(model64, window):
+    """CUDA's FlexAttention mask of a packed row: slot rows equal the SDPA slot mask, prompt rows are causal."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    model = model64("qwen3")
+    rollout = _rollout(model)
+    plan = learner_hidden_states(model, rollout, shadow=True, backend="sdpa")._packing.plan
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    width, rows = plan.prompt_width, plan.prompt_lengths.shape[0]
+    positions = torch.arange(width)
+    real_keys = positions[None, None, :] < plan.prompt_lengths[:, None, None]  # [R, 1, W]
+    causal = (positions[None, :] <= positions[:, None])[None] & real_keys
+    causal |= torch.eye(width, dtype=torch.bool)
+    for layer in range(model.config.num_hidden_layers):
+        block_mask = plan._block_mask(layer, heads, kv_heads, window)
+        dense = create_mask(block_mask.mask_mod, rows, heads, plan.width, plan.width, device="cpu")  # [R, Hq, T, T]
+        slots = plan._slot_mask(layer, window, torch.device("cpu")).repeat_interleave(heads // kv_heads, dim=1)
+        assert torch.equal(dense[:, :, width:], slots)
+        expected = causal if window is None else causal & ((positions[:, None] - positions[None, :]) < window)
+        assert torch.equal(dense[:, :, :width, :width], expected[:, None].expand(-1, heads, -1, -1))
+        assert not dense[:, :, :width, width:].any()
+
+
+@pytest.mark.slow
+def test_flex_forward_matches_sdpa_on_cpu(peaky_model_factory):
+    """FlexAttention (CUDA's default) over packed rows, forward only on CPU (no backward there; ~1 min to compile)."""
+    model = peaky_model_factory("qwen3", dtype=torch.float32)
+    rollout = _rollout(model)
+    with torch.no_grad():
+        flex = learner_hidden_states(model, rollout, shadow=True, backend="flex").hidden
+        sdpa = learner_hidden_states(model, rollout, shadow=True, backend="sdpa").hidden
+    assert ((flex - sdpa) * rollout.completion_mask[..., None]).abs().max() <= 1e-4
