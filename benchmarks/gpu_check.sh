@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# One prepared GPU check for a lent CUDA machine (the `nvidia-h200` kind): at most about 6.5 minutes (limits below add
-# up to 380 s), every part time-boxed. Give the device tool's run a timeout_s of about 480.
+# One prepared GPU check for a lent CUDA machine (the `nvidia-h200` kind): at most about 7.5 minutes (limits below add
+# up to 450 s), every part time-boxed. Give the device tool's run a timeout_s of about 550.
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root; results under $OUT (default ./out)
 #
@@ -12,6 +12,8 @@
 #   3. memory        bench_rollout_memory.py, 8192-token prompt: KV bytes, max_memory_allocated, spike    <= 60 s
 #   4. speed         bench_rollout_speed.py, prompt lengths 512 / 2048 / 4096                              <= 80 s
 #   5. flex_wide     as 2 on the wide model (hidden 1024, 8 layers), bfloat16 + float32, T = 16384 and 4096 <= 120 s
+#   6. learner       bench_learner_overhead.py, dense and smd, per-row vs shared-prefix (packed FlexAttention),
+#                    prompt 2048, 2 x 8, peak memory per learner step                                      <= 70 s
 # Everything printed also goes to $OUT/log.txt; the markdown tables are collected in $OUT/summary.md.
 #
 # What the machine needs. Its image has torch (2.11 + CUDA), triton, lightning and torchmetrics, but
@@ -87,10 +89,12 @@ part speed 80 $PY $B/bench_rollout_speed.py --device cuda --prompt-lens 512 2048
 part flex_wide 120 $PY $B/bench_masked_attention.py --device cuda --models wide --dtypes bfloat16 float32 \
     --seq-lens 16384 4096 --backends sdpa flex --repeats 3 --time-budget 80 \
     --json "$OUT/flex_wide.json" --markdown "$OUT/flex_wide.md"
+part learner 70 $PY $B/bench_learner_overhead.py --device cuda --prompt-lens 2048 --batch 2 --modes dense smd \
+    --repeats 1 --curve-prompt-lens --curve-groups --json "$OUT/learner.json" --markdown "$OUT/learner.md"
 
 {
     echo "# GPU check $(date -u +%FT%TZ)"
-    for name in parity flex_tiny memory speed flex_wide; do
+    for name in parity flex_tiny memory speed flex_wide learner; do
         echo
         echo "<!-- $name: ${STATUS[$name]:-not run} -->"
         if [ -f "$OUT/$name.md" ]; then cat "$OUT/$name.md"; else echo "($name wrote no table; see log.txt and $name.json)"; fi
@@ -98,5 +102,5 @@ part flex_wide 120 $PY $B/bench_masked_attention.py --device cuda --models wide 
 } > "$OUT/summary.md"
 echo
 echo "=== summary (total $(( $(date +%s) - START ))s)"
-for name in parity flex_tiny memory speed flex_wide; do echo "$name: ${STATUS[$name]:-not run}"; done
+for name in parity flex_tiny memory speed flex_wide learner; do echo "$name: ${STATUS[$name]:-not run}"; done
 exit 0
