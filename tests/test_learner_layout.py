@@ -246,3 +246,11 @@ def test_flex_forward_matches_sdpa_on_cpu(peaky_model_factory):
         flex = learner_hidden_states(model, rollout, shadow=True, backend="flex").hidden
         sdpa = learner_hidden_states(model, rollout, shadow=True, backend="sdpa").hidden
     assert ((flex - sdpa) * rollout.completion_mask[..., None]).abs().max() <= 1e-4
+
+
+def test_activation_checkpointing_gives_the_same_gradients(model64):
+    model = model64("llama")
+    rollout = _rollout(model)
+    model.train()
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    _assert_same(model, rollout, True)
