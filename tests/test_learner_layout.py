@@ -252,5 +252,5 @@ def test_activation_checkpointing_gives_the_same_gradients(model64):
     model = model64("llama")
     rollout = _rollout(model)
     model.train()
-    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     _assert_same(model, rollout, True)
