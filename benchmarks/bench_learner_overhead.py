@@ -86,7 +86,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-kv-heads", type=int, default=None)
     parser.add_argument("--vocab-size", type=int, default=None)
     parser.add_argument("--dtype", choices=list(C.DTYPES), default=None)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--json", default=None)
     parser.add_argument("--markdown", default=None)
     C.add_threads_flag(parser, default=1)
@@ -237,18 +237,14 @@ def _curve_point(policy, args, prompt_len: int, group: int, device) -> dict[str,
         module = GRPOModule(policy, mode="dense", logits_chunk_size=1024, learner_layout=layout)
         experience = module.make_experience(rollout, rewards, group_size=group)
         params = {p.untyped_storage().data_ptr() for p in policy.parameters()}
-        times, activation = [], 0
-        for _ in range(2):  # a warm-up, then the timed step
-            policy.zero_grad(set_to_none=True)
-            C.synchronize(device)
-            start = time.perf_counter()
-            with saved_bytes(params) as saved:
-                loss = module.training_step(experience, 0)
-            loss.backward()
-            C.synchronize(device)
-            times.append(time.perf_counter() - start)
-            activation = saved[0]
-        point[f"{layout}_s"], point[f"{layout}_activation_bytes"] = times[-1], activation
+        policy.zero_grad(set_to_none=True)
+        C.synchronize(device)
+        start = time.perf_counter()
+        with saved_bytes(params) as saved:
+            loss = module.training_step(experience, 0)
+        loss.backward()
+        C.synchronize(device)
+        point[f"{layout}_s"], point[f"{layout}_activation_bytes"] = time.perf_counter() - start, saved[0]
     policy.zero_grad(set_to_none=True)
     return point
 
@@ -327,7 +323,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if payload["curve"]:
         text += (
             f"\n\n## Dense learner step: per-row against shared-prefix\n\n{args.new_tokens} new tokens, one prompt "
-            "per point, forward + backward of training_step (one warm-up, then one timed step).\n\n"
+            "per point, forward + backward of training_step (one step per point, after the iterations above).\n\n"
             + _curve_table(payload["curve"])
         )
     print(text)
