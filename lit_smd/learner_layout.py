@@ -1,6 +1,6 @@
 """The learner's teacher-forced pass over a rollout batch: shared-prefix packing (default) or one row per sample.
 
-``layout="shared_prefix"`` (the Prefix Grouper idea, Liu et al., arXiv 2506.05433, done with a packed row and our
+``layout="shared_prefix"`` (the Prefix Grouper idea, arXiv 2506.05433, done with a packed row and our
 shadow-mask replay): consecutive rows of a `Rollout` with the same prompt form a group, and each group becomes one
 packed row ``[prompt | c_1 | ... | c_G]`` (`lit_smd.kv.prefix`): the prompt is encoded once, with gradient, and each
 completion attends to it and to its own earlier tokens. Log-probs and gradients equal the per-row pass's up to float
