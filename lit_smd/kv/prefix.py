@@ -119,6 +119,10 @@ class PackedPlan:
             out = _flex_attention()(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=True)
             return out.transpose(1, 2).contiguous()
         group = query.shape[1] // key.shape[1]
+        if self.steps is not None and group > 1 and key.shape[1] > 1:
+            # The per-KV-head slot mask folds the KV heads into the batch; on contiguous [R, H, T, D] tensors that fold
+            # is a view, so both SDPA calls save slices of one copy (transformers hands over [R, T, H, D] layouts).
+            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         prompt_args = {"dropout_p": dropout, "scale": scaling, "enable_gqa": group > 1}
         if sliding_window is None or sliding_window >= width:
             prompt_args["is_causal"] = True
