@@ -285,12 +285,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )  # fmt: skip
     policy = C.build_model("qwen3", config, C.DTYPES[args.dtype], device)
     print(f"# Learner overhead: full GRPO iterations per mode and learner layout\n\n{C.describe(env)}")
-    print(
+    setup = (
         f"model: qwen3, hidden {args.hidden_size}, {args.num_layers} layers, {args.num_heads}/{args.num_kv_heads} "
         f"heads, vocab {args.vocab_size}, {args.dtype}; {args.batch} prompts x {args.num_samples} samples, "
         f"{args.new_tokens} new tokens, budget {args.budget}, SMD kl_coef {args.kl_coef}; median of {args.repeats} "
-        "iterations after one warm-up, modes interleaved\n", flush=True,
+        "iterations after one warm-up, modes interleaved"
     )  # fmt: skip
+    print(setup + "\n", flush=True)
     payload: dict[str, Any] = {"benchmark": "learner_overhead", "environment": env, "config": vars(args),
                                "results": [], "curve": []}  # fmt: skip
     try:
@@ -327,7 +328,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             + _curve_table(payload["curve"])
         )
     print(text)
-    C.write_markdown(args.markdown, "# Learner overhead\n\n" + C.describe(env) + "\n\n" + text)
+    C.write_markdown(args.markdown, "# Learner overhead\n\n" + C.describe(env) + "\n\n" + setup + "\n\n" + text)
     return payload
 
 
