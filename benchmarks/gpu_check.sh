@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # One prepared GPU check for a lent CUDA machine (the `nvidia-h200` kind): at most about 7.5 minutes (limits below add
-# up to 440 s), every part time-boxed. Give the device tool's run a timeout_s of about 540.
+# up to 510 s), every part time-boxed. Give the device tool's run a timeout_s of about 590.
 #
 #   bash benchmarks/gpu_check.sh            # from the repository root; results under $OUT (default ./out)
 #
@@ -14,6 +14,8 @@
 #   5. flex_wide     as 2 on the wide model (hidden 1024, 8 layers), bfloat16 + float32, T = 16384 and 4096 <= 120 s
 #   6. fsdp          bench_fsdp.py: FSDP2Strategy (NCCL, one rank) vs unsharded, wide model, 3 steps of compressed
 #                    rollouts + shadow replay: weight diff, log-prob gap, s / step, peak memory             <= 60 s
+#   7. learner       bench_learner_overhead.py, dense and smd, per-row vs shared-prefix (packed FlexAttention),
+#                    prompt 2048, 2 x 8, peak memory per learner step                                      <= 70 s
 # Everything printed also goes to $OUT/log.txt; the markdown tables are collected in $OUT/summary.md.
 #
 # What the machine needs. Its image has torch (2.11 + CUDA), triton, lightning and torchmetrics, but
@@ -90,10 +92,12 @@ part flex_wide 120 $PY $B/bench_masked_attention.py --device cuda --models wide 
     --seq-lens 16384 4096 --backends sdpa flex --repeats 3 --time-budget 80 \
     --json "$OUT/flex_wide.json" --markdown "$OUT/flex_wide.md"
 part fsdp 60 $PY $B/bench_fsdp.py --device cuda --model wide --steps 3 --json "$OUT/fsdp.json" --markdown "$OUT/fsdp.md"
+part learner 70 $PY $B/bench_learner_overhead.py --device cuda --prompt-lens 2048 --batch 2 --modes dense smd \
+    --repeats 1 --curve-prompt-lens --curve-groups --json "$OUT/learner.json" --markdown "$OUT/learner.md"
 
 {
     echo "# GPU check $(date -u +%FT%TZ)"
-    for name in parity flex_tiny memory speed flex_wide fsdp; do
+    for name in parity flex_tiny memory speed flex_wide fsdp learner; do
         echo
         echo "<!-- $name: ${STATUS[$name]:-not run} -->"
         if [ -f "$OUT/$name.md" ]; then cat "$OUT/$name.md"; else echo "($name wrote no table; see log.txt and $name.json)"; fi
@@ -101,5 +105,5 @@ part fsdp 60 $PY $B/bench_fsdp.py --device cuda --model wide --steps 3 --json "$
 } > "$OUT/summary.md"
 echo
 echo "=== summary (total $(( $(date +%s) - START ))s)"
-for name in parity flex_tiny memory speed flex_wide fsdp; do echo "$name: ${STATUS[$name]:-not run}"; done
+for name in parity flex_tiny memory speed flex_wide fsdp learner; do echo "$name: ${STATUS[$name]:-not run}"; done
 exit 0

@@ -71,8 +71,13 @@ def test_teacher_cache_benchmark(run_all, tmp_path):
 
 
 def test_learner_overhead_benchmark(run_all, tmp_path):
-    results = {r["mode"]: r for r in _run(run_all, "learner_overhead", tmp_path)["results"]}
-    assert set(results) == {"dense", "naive", "sparse_rl", "smd", "smd_no_kl"}
+    payload = _run(run_all, "learner_overhead", tmp_path)
+    results = {(r["mode"], r["layout"]): r for r in payload["results"]}
+    modes = {"dense", "naive", "sparse_rl", "smd", "smd_no_kl"}
+    assert set(results) == {(mode, layout) for mode in modes for layout in ("per_row", "shared_prefix")}
     for row in results.values():  # one timed iteration (--repeats 1): the iteration is the sum of its parts
         assert row["iteration_s"] == pytest.approx(row["rollout_s"] + row["experience_s"] + row["learner_s"])
-        assert min(row["rollout_s"], row["learner_s"]) > 0
+        assert min(row["rollout_s"], row["learner_s"], row["activation_bytes"]) > 0
+    for mode in modes:  # G = 2: the shared prompt is encoded once instead of twice
+        assert results[mode, "shared_prefix"]["activation_bytes"] < results[mode, "per_row"]["activation_bytes"]
+    assert [(p["prompt_len"], p["group"]) for p in payload["curve"]] == [(48, 2), (64, 3)]

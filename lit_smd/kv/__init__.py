@@ -15,6 +15,7 @@ from lit_smd.kv.compressors import (
     RecentWindow,
     SnapKV,
 )
+from lit_smd.kv.prefix import PackedPlan
 from lit_smd.kv.shadow import NEVER, AttentionPlan, ShadowMask
 
 __all__ = [
@@ -22,6 +23,7 @@ __all__ = [
     "COMPRESSORS",
     "H2O",
     "NEVER",
+    "PackedPlan",
     "AttentionPlan",
     "BudgetedCache",
     "Compressor",

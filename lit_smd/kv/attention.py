@@ -7,7 +7,8 @@ no model surgery. It dispatches on what the forward call carries:
 * ``budgeted_cache=`` (a `lit_smd.kv.cache.BudgetedCache`): the compressed rollout. Prefill is dense; a decode
   query attends over the cache slots, then the compressor may evict.
 * ``attention_plan=`` (a `lit_smd.kv.shadow.AttentionPlan`): the learner's teacher-forced pass, with the
-  rollout's shadow mask (evicted keys get -inf before the softmax) or without it (dense view).
+  rollout's shadow mask (evicted keys get -inf before the softmax) or without it (dense view); or a
+  `lit_smd.kv.prefix.PackedPlan`: the same over shared-prefix packed rows (one prompt, several completions).
 * neither: plain transformers SDPA with the mask transformers built, so an ordinary ``model(...)`` or
   ``model.generate(...)`` call behaves as ``attn_implementation="sdpa"``.
 
@@ -21,6 +22,8 @@ import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
+
+from lit_smd.kv.prefix import PackedPlan
 
 __all__ = ["ATTN_IMPLEMENTATION", "ensure_attention", "lit_smd_attention"]
 
@@ -59,6 +62,9 @@ def lit_smd_attention(
         return layer.attend_decode(query, scaling, sliding_window), None
 
     plan = kwargs.get("attention_plan")
+    if isinstance(plan, PackedPlan):
+        dropout = dropout if module.training else 0.0
+        return plan.attend(module.layer_idx, query, key, value, scaling, dropout, sliding_window), None
     if plan is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,

@@ -60,6 +60,10 @@ Departures and choices (from the papers, TRL and the SMD repository)
       base weights: the policy itself scored with its adapters disabled (`lit_smd.lora.lora_disabled`), equal to the
       initial policy since the adapters start at zero, with no second copy of the model in memory. Only the adapters
       are trained; the shadow-mask replay stays exact (the adapted model is the same transformers model).
+    - The learner encodes each prompt once per group (``learner_layout="shared_prefix"``, the Prefix Grouper idea,
+      arXiv 2506.05433): one packed row ``[prompt | c_1 | ... | c_G]`` per group, the shadow mask replayed on the
+      completion queries only. SMD's dense teacher reuses that pass's prompt keys / values and runs the completions
+      only. Rows whose prompt keys were evicted before the prompt ended fall back to one row per sample.
     - Entropy is logged (``train/entropy``, of the learner view's temperature-scaled distribution), never added to
       the loss. Dropout is disabled by default (``disable_dropout``), as replaying ``M`` exactly needs a
       deterministic learner.
@@ -94,6 +98,7 @@ from transformers import PreTrainedModel
 from lit_smd.datamodules.experience import Experience, PhaseListener, report_phase
 from lit_smd.fsdp import fsdp_strategy, shard_model
 from lit_smd.kv import Compressor
+from lit_smd.learner_layout import LEARNER_LAYOUTS, LearnerLayout, LearnerPass, learner_hidden_states
 from lit_smd.lora import LoraSettings, add_lora, check_lora, lora_disabled
 from lit_smd.losses.grpo import LossType, ScaleRewards, group_advantages, masked_mean, mismatch_stats, policy_loss
 from lit_smd.losses.kl import KLOutput, chunked_token_kl
@@ -114,7 +119,7 @@ from lit_smd.modules._common import (
 )
 from lit_smd.modules._grpo_checks import check_grpo_args, check_rollout
 from lit_smd.modules._grpo_metrics import rollout_metrics, sparse_rl_metrics
-from lit_smd.rollout import Rollout, completion_hidden_states
+from lit_smd.rollout import Rollout
 
 __all__ = ["GRPOModule", "Mode"]
 
@@ -188,6 +193,11 @@ class GRPOModule(LightningModule):
             step's gradients (weights and optimizer state untouched), warns and counts it in
             ``train/nonfinite_skipped_steps``. See `lit_smd.modules._common.NonFiniteGuard`. Non-finite rewards are
             rejected earlier, by `make_experience`.
+        learner_layout: How every teacher-forced pass over a rollout batch is laid out (the policy's, the reference's,
+            Sparse-RL's dense ``pi_old``, SMD's dense teacher): ``"shared_prefix"`` encodes each prompt once per group
+            of consecutive rows sharing it (`lit_smd.learner_layout`; same log-probs and gradients, a fraction of the
+            prompt work), falling back to one row per sample where sharing cannot hold; ``"per_row"`` always runs one
+            row per sample.
     """
 
     def __init__(
@@ -216,8 +226,11 @@ class GRPOModule(LightningModule):
         lora: LoraSettings | None = None,
         disable_dropout: bool = True,
         on_nonfinite: NonFiniteAction = "stop",
+        learner_layout: LearnerLayout = "shared_prefix",
     ) -> None:
         super().__init__()
+        if learner_layout not in LEARNER_LAYOUTS:
+            raise ValueError(f"learner_layout must be one of {LEARNER_LAYOUTS}, got {learner_layout!r}")
         self.nonfinite_guard = NonFiniteGuard(on_nonfinite)
         check_grpo_args(
             policy, reference, mode, compressor, reference_quantization, temperature, scale_rewards, loss_type,
@@ -250,6 +263,7 @@ class GRPOModule(LightningModule):
         self.disable_dropout = disable_dropout
         self.reference_quantization = reference_quantization
         self.lora = lora
+        self.learner_layout = learner_layout
         self._policy_source = policy if isinstance(policy, str) else None
         self._reference_source = reference if isinstance(reference, str) else None
         self.policy: PreTrainedModel | None = policy if isinstance(policy, PreTrainedModel) else None
@@ -280,7 +294,7 @@ class GRPOModule(LightningModule):
 
     def forward(self, rollout: Rollout) -> Tensor:
         """Log-probs ``[B, N]`` of the completion tokens under the learner's view (masked for smd, else dense)."""
-        hidden = completion_hidden_states(self.policy, rollout, shadow=self.uses_shadow_view)  # [B, N, H]
+        hidden = self._pass(self.policy, rollout, shadow=self.uses_shadow_view).hidden  # [B, N, H]
         logprobs, _ = self._token_logprobs(self.policy, hidden, rollout.completion_ids)
         return logprobs.masked_fill(~rollout.completion_mask, 0.0)
 
@@ -294,7 +308,10 @@ class GRPOModule(LightningModule):
             )
         check_rollout(self.mode, batch.rollout)
         rollout = batch.rollout
-        hidden = completion_hidden_states(self.policy, rollout, shadow=self.uses_shadow_view)  # [B, N, H]
+        smd_teacher = self.mode == "smd" and self.kl_coef > 0
+        keep_prompt_kv = smd_teacher and self.kl_stop_gradient == "dense"  # the dense teacher reuses the prompt
+        learner = self._pass(self.policy, rollout, shadow=self.uses_shadow_view, keep_prompt_kv=keep_prompt_kv)
+        hidden = learner.hidden  # [B, N, H]
         logprobs, entropy = self._token_logprobs(self.policy, hidden, rollout.completion_ids)  # [B, N], [B, N]
         out = policy_loss(
             logprobs,
@@ -324,8 +341,8 @@ class GRPOModule(LightningModule):
             "train/ratio_min": out.ratio_min,
             "train/ratio_max": out.ratio_max,
         }
-        if self.mode == "smd" and self.kl_coef > 0:
-            kl = self.smd_kl(rollout, batch.loss_mask, masked_hidden=hidden)
+        if smd_teacher:
+            kl = self.smd_kl(rollout, batch.loss_mask, masked=learner)
             loss = loss + self.kl_coef * kl.loss
             loss_parts["smd/kl"] = kl.loss
             metrics["smd/kl"] = kl.forward_kl if self.kl_stop_gradient == "dense" else kl.reverse_kl
@@ -370,27 +387,31 @@ class GRPOModule(LightningModule):
         docstring.
         """
 
-    def smd_kl(self, rollout: Rollout, mask: Tensor, masked_hidden: Tensor | None = None) -> KLOutput:
+    def smd_kl(self, rollout: Rollout, mask: Tensor, masked: LearnerPass | None = None) -> KLOutput:
         """SMD's distillation term between the dense and the shadow-masked views of the policy.
 
         ``kl_stop_gradient="dense"``: ``KL(sg[dense] || masked)``, the dense pass under ``no_grad`` as the teacher and
-        the masked pass as the student. ``"masked"``: ``KL(dense || sg[masked])``, gradient into the dense pass.
+        the masked pass as the student. With the shared-prefix layout the teacher reuses the masked pass's prompt keys
+        and values (the prompt's hidden states are the same in both views) and runs only the completions
+        (`lit_smd.learner_layout.LearnerPass.dense_hidden`). ``"masked"``: ``KL(dense || sg[masked])``, gradient into
+        the dense pass.
 
         Args:
             rollout: A compressed rollout (with a shadow mask).
             mask: ``[B, N]`` bool, the tokens averaged over.
-            masked_hidden: ``[B, N, H]`` hidden states of the masked pass if already computed.
+            masked: The masked pass if already run (with ``keep_prompt_kv=True`` for the teacher to reuse its prompt).
 
         Returns:
             ``KLOutput``; its ``loss`` is the token-mean KL, ``forward_kl`` (dense) / ``reverse_kl`` (masked) its value.
         """
         lm_head = self.policy.get_output_embeddings()
-        if masked_hidden is None:
-            masked_hidden = completion_hidden_states(self.policy, rollout, shadow=True)  # [B, N, H]
+        if masked is None:
+            masked = self._pass(self.policy, rollout, shadow=True, keep_prompt_kv=self.kl_stop_gradient == "dense")
+        masked_hidden = masked.hidden  # [B, N, H]
         common = {"temperature": self.temperature, "mask": mask, "chunk_size": self.logits_chunk_size}
         if self.kl_stop_gradient == "dense":
             with torch.no_grad(), report_phase(self, "teacher"):
-                dense_hidden = completion_hidden_states(self.policy, rollout, shadow=False)  # [B, N, H]
+                dense_hidden = masked.dense_hidden()  # [B, N, H]
             return chunked_token_kl(
                 masked_hidden,
                 lm_head.weight,
@@ -400,7 +421,7 @@ class GRPOModule(LightningModule):
                 teacher_lm_head_bias=lm_head.bias,
                 **common,
             )
-        dense_hidden = completion_hidden_states(self.policy, rollout, shadow=False)  # [B, N, H]
+        dense_hidden = self._pass(self.policy, rollout, shadow=False).hidden  # [B, N, H]
         return chunked_token_kl(
             dense_hidden,
             lm_head.weight,
@@ -562,6 +583,14 @@ class GRPOModule(LightningModule):
 
     # --------------------------------------------------------------------------------------------------- helpers
 
+    def _pass(
+        self, model: PreTrainedModel, rollout: Rollout, *, shadow: bool, keep_prompt_kv: bool = False
+    ) -> LearnerPass:
+        """One teacher-forced pass of ``model`` over ``rollout`` in the configured ``learner_layout``."""
+        return learner_hidden_states(
+            model, rollout, shadow=shadow, layout=self.learner_layout, keep_prompt_kv=keep_prompt_kv
+        )
+
     def _token_logprobs(self, model: PreTrainedModel, hidden: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
         lm_head = model.get_output_embeddings()
         return token_logprobs_and_entropy(
@@ -575,7 +604,7 @@ class GRPOModule(LightningModule):
         parts = []
         for start in range(0, len(rollout), step):
             rows = rollout.select(slice(start, start + step))
-            hidden = completion_hidden_states(model, rows, shadow=shadow)  # [b, N, H]
+            hidden = self._pass(model, rows, shadow=shadow).hidden  # [b, N, H]
             logprobs, _ = self._token_logprobs(model, hidden, rows.completion_ids)
             parts.append(logprobs.masked_fill(~rows.completion_mask, 0.0))
         return torch.cat(parts)

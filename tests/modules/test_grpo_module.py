@@ -179,6 +179,7 @@ def test_smd_kl_matches_a_full_logits_reference(peaky_model_factory, tokenizer, 
         kl_stop_gradient=stop_gradient,
         temperature=0.7,
         logits_chunk_size=4,
+        learner_layout="per_row",  # the reference below is per-row (layouts: tests/test_learner_layout.py)
     )
     mask = rollout.completion_mask.clone()
     mask[0, -1] = False

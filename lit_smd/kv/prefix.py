@@ -1,0 +1,232 @@
+"""Shared-prefix attention for the learner: one packed row per prompt group, masked only where it differs from causal.
+
+The G completions of a GRPO group share one prompt. Instead of encoding the prompt G times (one row per sample), the
+learner packs each group into one row::
+
+    columns  [0, W)                       [W, W + N)   [W + N, W + 2N)   ...   [W + (S-1)N, W + SN)
+    tokens   prompt (right-padded to W)   slot 0       slot 1            ...   slot S-1
+
+with position ids that restart at the group's prompt length ``P`` in every slot (slot column ``t`` is logical position
+``P + t``). A prompt query attends causally to the prompt; a slot query attends to the prompt's ``P`` real keys and to
+its own slot's earlier tokens, never to another slot. The prompt is therefore encoded once, with gradient, and the
+gradient reaching it is the sum over its completions: the same log-probs and gradients as the per-row pass.
+
+Under the shadow mask (`lit_smd.kv.shadow`: query ``i`` sees key ``j`` iff ``j <= i < e[j]``, logical positions, per
+layer and KV head) the slot queries additionally need ``i < e[j]`` for the eviction steps of *their own* rollout row.
+The prompt queries stay plain causal: sharing is only used when no prompt key was evicted before the prompt ended
+(``e[j] >= P`` for every prompt key, which holds for SnapKV-style prefill drops, recorded as ``e = P``), so the
+prompt's hidden states are those of the dense view. `lit_smd.learner_layout` decides this and falls back to the
+per-row pass otherwise.
+
+Attention per layer (SDPA path, any device):
+
+* prompt queries ``[R, H_q, W]`` over the prompt keys with ``is_causal`` (the fused causal kernel; a boolean mask only
+  for sliding-window layers shorter than ``W``);
+* slot queries ``[R, H_q, S*N]`` over all ``W + S*N`` keys with a boolean mask built for the slot queries only:
+  ``[R, 1, S*N, T]`` for the dense view, ``[R, H_kv, S*N, T]`` under the shadow mask. The KV heads are folded into the
+  batch (``[R*H_kv, G, S*N, D]`` queries over ``[R*H_kv, 1, T, D]`` keys, ``enable_gqa``), so a mask row serves the
+  ``G`` query heads of its KV head without being repeated.
+
+Nothing of shape ``[rows, heads, T, T]`` is built or kept for backward: the masks (kept by SDPA's backward) cover slot
+queries and KV heads only, and the fused kernels keep the output and its log-sum-exp. On CUDA the default backend is
+FlexAttention over the whole packed row with a `BlockMask`, which skips fully masked blocks and applies no mask in
+fully visible ones.
+
+Reusing the prompt (the dense teacher of SMD): a pass built with ``capture_prompt_kv=True`` keeps every layer's prompt
+keys and values (detached). `PackedPlan.for_slots` then describes a pass over the slot tokens only that attends to
+those stored prompt keys: the dense view of the completions without re-encoding the prompt.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+__all__ = ["PackedPlan"]
+
+
+@dataclass
+class PackedPlan:
+    """How the registered attention function runs one pass over packed shared-prefix rows (see module docstring).
+
+    Attributes:
+        prompt_lengths: ``[R]`` real prompt tokens of each packed row (``1 <= P <= prompt_width``).
+        prompt_width: ``W``, columns of the prompt region.
+        num_slots: ``S``, completion slots per packed row.
+        slot_width: ``N``, columns per slot.
+        steps: ``[L, R, H_kv, S, W + N]`` eviction steps of each slot's rollout row: columns ``[0, W)`` for the
+            prompt keys (logical position = column), ``[W, W + N)`` for the slot's own tokens (logical ``P + t``).
+            None for the dense view.
+        backend: ``"sdpa"``, ``"flex"`` (FlexAttention, CUDA) or ``"auto"`` (flex on CUDA, sdpa elsewhere).
+        capture_prompt_kv: Keep each layer's prompt keys / values (detached) in ``prompt_kv``.
+        prompt_kv: Layer index -> ``(keys [R, H_kv, W, D], values)``: filled by a capturing pass; in a slots-only
+            pass (`for_slots`) the prompt keys the slot queries attend to.
+        slots_only: The pass holds the slot columns only (``S*N`` tokens) and reads the prompt from ``prompt_kv``.
+    """
+
+    prompt_lengths: torch.Tensor
+    prompt_width: int
+    num_slots: int
+    slot_width: int
+    steps: torch.Tensor | None = None
+    backend: Literal["auto", "sdpa", "flex"] = "auto"
+    capture_prompt_kv: bool = False
+    prompt_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    slots_only: bool = False
+    _masks: dict[object, object] = field(default_factory=dict, repr=False)
+
+    @property
+    def width(self) -> int:
+        """Columns of a full packed row, ``W + S*N``."""
+        return self.prompt_width + self.num_slots * self.slot_width
+
+    def for_slots(self) -> PackedPlan:
+        """The dense slots-only pass that reuses this (capturing) pass's prompt keys and values."""
+        if not self.prompt_kv:
+            raise ValueError("for_slots needs a pass run with capture_prompt_kv=True first (no prompt keys stored)")
+        return replace(self, steps=None, backend="sdpa", capture_prompt_kv=False, slots_only=True, _masks={})
+
+    # ------------------------------------------------------------------------------------------------ attention
+
+    def attend(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        dropout: float,
+        sliding_window: int | None,
+    ) -> torch.Tensor:
+        """Attention output ``[R, T_q, H_q, D]`` for ``query [R, H_q, T_q, D]``, ``key / value [R, H_kv, T_k, D]``."""
+        width = self.prompt_width
+        if self.slots_only:
+            prompt_keys, prompt_values = self.prompt_kv[layer_idx]
+            key, value = torch.cat([prompt_keys, key], dim=2), torch.cat([prompt_values, value], dim=2)
+            out = self._attend_slots(layer_idx, query, key, value, scaling, dropout, sliding_window)
+            return out.transpose(1, 2).contiguous()
+        if self.capture_prompt_kv:
+            self.prompt_kv[layer_idx] = (key[:, :, :width].detach(), value[:, :, :width].detach())
+        if self.backend == "flex" or (self.backend == "auto" and query.device.type == "cuda"):
+            if dropout:
+                raise ValueError("the FlexAttention learner path has no attention dropout; use backend='sdpa'")
+            from lit_smd.kv.attention import _flex_attention
+
+            block_mask = self._block_mask(layer_idx, query.shape[1], key.shape[1], sliding_window)
+            out = _flex_attention()(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=True)
+            return out.transpose(1, 2).contiguous()
+        group = query.shape[1] // key.shape[1]
+        if self.steps is not None and group > 1 and key.shape[1] > 1:
+            # The per-KV-head slot mask folds the KV heads into the batch; on contiguous [R, H, T, D] tensors that fold
+            # is a view, so both SDPA calls save slices of one copy (transformers hands over [R, T, H, D] layouts).
+            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
+        prompt_args = {"dropout_p": dropout, "scale": scaling, "enable_gqa": group > 1}
+        if sliding_window is None or sliding_window >= width:
+            prompt_args["is_causal"] = True
+        else:
+            prompt_args["attn_mask"] = self._prompt_window_mask(sliding_window, query.device)
+        prompt_out = F.scaled_dot_product_attention(
+            query[:, :, :width], key[:, :, :width], value[:, :, :width], **prompt_args
+        )  # [R, Hq, W, D]
+        slot_out = self._attend_slots(layer_idx, query[:, :, width:], key, value, scaling, dropout, sliding_window)
+        return torch.cat([prompt_out, slot_out], dim=2).transpose(1, 2).contiguous()
+
+    def _attend_slots(self, layer_idx, query, key, value, scaling, dropout, sliding_window) -> torch.Tensor:
+        """Slot queries ``[R, H_q, S*N, D]`` over all keys ``[R, H_kv, W + S*N, D]`` -> ``[R, H_q, S*N, D]``."""
+        rows, q_heads, num_queries, dim = query.shape
+        kv_heads, num_keys = key.shape[1], key.shape[2]
+        group = q_heads // kv_heads
+        mask = self._slot_mask(layer_idx, sliding_window, query.device)  # [R, 1 or Hkv, S*N, T]
+        args = {"dropout_p": dropout, "scale": scaling, "enable_gqa": group > 1}
+        if mask.shape[1] == 1 or kv_heads == 1:
+            return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, **args)
+        # One mask row per KV head: fold the KV heads into the batch; the mask broadcasts over each group's query heads.
+        out = F.scaled_dot_product_attention(
+            query.reshape(rows * kv_heads, group, num_queries, dim),
+            key.reshape(rows * kv_heads, 1, num_keys, dim),
+            value.reshape(rows * kv_heads, 1, num_keys, dim),
+            attn_mask=mask.reshape(rows * kv_heads, 1, num_queries, num_keys),
+            **args,
+        )  # [R*Hkv, G, S*N, D]
+        return out.reshape(rows, q_heads, num_queries, dim)
+
+    # ---------------------------------------------------------------------------------------------------- masks
+
+    def _prompt_window_mask(self, sliding_window: int, device: torch.device) -> torch.Tensor:
+        """``[1, 1, W, W]`` causal sliding-window mask of the prompt queries."""
+        key = ("prompt", sliding_window)
+        if key not in self._masks:
+            positions = torch.arange(self.prompt_width, device=device)
+            distance = positions[:, None] - positions[None, :]
+            self._masks[key] = ((distance >= 0) & (distance < sliding_window))[None, None]
+        return self._masks[key]
+
+    def _slot_mask(self, layer_idx: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
+        """Boolean visibility of the slot queries ``[R, 1 or H_kv, S*N, W + S*N]`` (dense: one for all layers)."""
+        cache_key = ("slots", sliding_window) if self.steps is None else None
+        if cache_key in self._masks:
+            return self._masks[cache_key]
+        rows, width, slots, new = self.prompt_lengths.shape[0], self.prompt_width, self.num_slots, self.slot_width
+        lengths = self.prompt_lengths.to(device)
+        t = torch.arange(new, device=device)
+        c = torch.arange(width, device=device)
+        query_pos = lengths[:, None] + t[None, :]  # [R, N] logical positions of the slot queries
+        prompt_vis = (c[None, None, :] < lengths[:, None, None]).expand(rows, new, width)  # [R, N, W]
+        own_vis = (t[None, :] <= t[:, None])[None].expand(rows, new, new)  # [R, N, N] causal within the slot
+        if sliding_window is not None:
+            prompt_vis = prompt_vis & ((query_pos[:, :, None] - c[None, None, :]) < sliding_window)
+            own_vis = own_vis & ((t[:, None] - t[None, :]) < sliding_window)[None]
+        prompt_vis, own_vis = prompt_vis[:, None, None], own_vis[:, None, None]  # [R, 1, 1, N, W | N]
+        if self.steps is not None:
+            steps = self.steps[layer_idx].to(device)  # [R, Hkv, S, W + N]
+            later = query_pos[:, None, None, :, None]  # [R, 1, 1, N, 1]
+            prompt_vis = prompt_vis & (later < steps[:, :, :, None, :width])  # [R, Hkv, S, N, W]
+            own_vis = own_vis & (later < steps[:, :, :, None, width:])  # [R, Hkv, S, N, N]
+        own_vis = own_vis | torch.eye(new, dtype=torch.bool, device=device)  # a query always sees itself: no NaN
+        heads = own_vis.shape[1]
+        prompt_vis = prompt_vis.expand(rows, heads, slots, new, width)
+        same_slot = torch.eye(slots, dtype=torch.bool, device=device)[:, None, :, None]  # [S, 1, S, 1]
+        slot_vis = own_vis.expand(rows, heads, slots, new, new)[:, :, :, :, None, :] & same_slot  # [R, h, S, N, S, N]
+        mask = torch.cat(
+            [prompt_vis.reshape(rows, heads, slots * new, width), slot_vis.reshape(rows, heads, slots * new, -1)],
+            dim=-1,
+        )  # [R, h, S*N, W + S*N]
+        if cache_key is not None:
+            self._masks[cache_key] = mask
+        return mask
+
+    def _block_mask(self, layer_idx: int, q_heads: int, kv_heads: int, sliding_window: int | None):
+        """FlexAttention BlockMask of the whole packed row for one layer (one per plan for the dense view)."""
+        cache_key = ("block", sliding_window) if self.steps is None else ("block", layer_idx)
+        if cache_key not in self._masks:
+            from torch.nn.attention.flex_attention import create_block_mask
+
+            lengths, width, new = self.prompt_lengths, self.prompt_width, self.slot_width
+            steps = None if self.steps is None else self.steps[layer_idx]  # [R, Hkv, S, W + N]
+            group = q_heads // kv_heads
+
+            def mask_mod(b, h, q_idx, kv_idx):
+                q_prompt, kv_prompt = q_idx < width, kv_idx < width
+                q_slot, kv_slot = (q_idx - width) // new, (kv_idx - width) // new
+                q_t, kv_t = (q_idx - width) % new, (kv_idx - width) % new
+                q_pos = torch.where(q_prompt, q_idx, lengths[b] + q_t)
+                kv_pos = torch.where(kv_prompt, kv_idx, lengths[b] + kv_t)
+                prompt_key = kv_prompt & (kv_idx < lengths[b]) & (q_prompt.logical_not() | (kv_idx <= q_idx))
+                own_key = q_prompt.logical_not() & kv_prompt.logical_not() & (q_slot == kv_slot) & (kv_t <= q_t)
+                visible = prompt_key | own_key
+                if sliding_window is not None:
+                    visible = visible & ((q_pos - kv_pos) < sliding_window)
+                if steps is not None:
+                    column = torch.where(kv_prompt, kv_idx, width + kv_t)
+                    slot = q_slot.clamp(min=0)
+                    visible = visible & (q_prompt | (q_pos < steps[b, h // group, slot, column]))
+                return visible | (q_idx == kv_idx)
+
+            self._masks[cache_key] = create_block_mask(
+                mask_mod, B=lengths.shape[0], H=1 if steps is None else q_heads, Q_LEN=self.width, KV_LEN=self.width,
+                device=lengths.device,
+            )  # fmt: skip
+        return self._masks[cache_key]

@@ -1,0 +1,256 @@
+"""The shared-prefix learner pass equals the per-row pass: log-probs and parameter gradients in float64.
+
+Each group is packed into one row ``[prompt | c_1 | ... | c_G]`` (`lit_smd.learner_layout`); the reference is the
+per-row pass `lit_smd.rollout.completion_hidden_states`, an independent implementation (one row per sample, the
+shadow mask replayed over the full ``[T, T]`` grid). Rollouts are left-padded, with completions of different lengths,
+on GQA tiny models of every family.
+
+Transformers' RMSNorm computes in float32 even in a float64 model, which caps the agreement of two float64 passes
+that sum the same gradients in a different order at ~1e-7; the models here get a float64 RMSNorm (`_float64_norms`)
+so that the comparison measures our arithmetic at float64 precision.
+"""
+
+import copy
+import types
+import warnings
+
+import pytest
+import torch
+
+from lit_smd.kv import H2O, NEVER, PrefillThenDecode, SnapKV
+from lit_smd.learner_layout import learner_hidden_states, shareable_groups
+from lit_smd.losses.sparse_rl import SparseRLConfig
+from lit_smd.modules.grpo import GRPOModule
+from lit_smd.rollout import Rollout, completion_hidden_states, generate
+
+GROUP, NEW = 3, 12
+
+
+def _norm_forward(self, hidden: torch.Tensor) -> torch.Tensor:
+    variance = hidden.pow(2).mean(-1, keepdim=True)
+    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
+
+
+def _float64_norms(model):
+    """``model`` with every RMSNorm computing in the input's dtype (see the module docstring)."""
+    norms = [module for module in model.modules() if type(module).__name__.endswith("RMSNorm")]
+    assert norms
+    for module in norms:
+        module.forward = types.MethodType(_norm_forward, module)
+    return model
+
+
+@pytest.fixture
+def model64(peaky_model_factory):
+    return lambda family, **kwargs: _float64_norms(peaky_model_factory(family, **kwargs))
+
+
+def _rollout(model, *, lengths=(40, 31), compressor=True, seed=1) -> Rollout:
+    g = torch.Generator().manual_seed(seed)
+    width = max(lengths)
+    ids = torch.randint(7, model.config.vocab_size, (len(lengths), width), generator=g)
+    mask = torch.zeros_like(ids)
+    for row, length in enumerate(lengths):
+        mask[row, width - length :] = 1
+    compressor = PrefillThenDecode(SnapKV(20, window=8), H2O(20, window=4)) if compressor else None
+    rollout = generate(model, ids.masked_fill(mask == 0, 0), mask, compressor=compressor, max_new_tokens=NEW,
+                       num_samples=GROUP, generator=g)  # fmt: skip
+    # Completions of different lengths: cut rows short as if they had stopped (a prefix of a trajectory is one too).
+    keep = torch.tensor([NEW, NEW - 5, 3, NEW - 1, 7, NEW][: len(rollout)])
+    cut = torch.arange(NEW)[None, :] >= keep[:, None]
+    rollout.completion_mask = rollout.completion_mask & ~cut
+    rollout.completion_ids = rollout.completion_ids.masked_fill(cut, 0)
+    rollout.logprobs = rollout.logprobs.masked_fill(cut, 0.0)
+    return rollout
+
+
+def _logprobs_and_grads(model, rollout, hidden_fn):
+    model.zero_grad()
+    hidden = hidden_fn()  # [B, N, H]
+    logprobs = torch.log_softmax(model.get_output_embeddings()(hidden), dim=-1)
+    logprobs = logprobs.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
+    logprobs = logprobs.masked_fill(~rollout.completion_mask, 0)
+    weights = torch.linspace(-1.0, 2.0, logprobs.numel()).view_as(logprobs).to(logprobs.dtype)
+    (logprobs * weights).sum().backward()
+    grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
+    return logprobs.detach(), grads
+
+
+def _assert_same(model, rollout, shadow, **kwargs):
+    ref_lp, ref_grads = _logprobs_and_grads(
+        model, rollout, lambda: completion_hidden_states(model, rollout, shadow=shadow)
+    )
+    new_lp, new_grads = _logprobs_and_grads(
+        model, rollout, lambda: learner_hidden_states(model, rollout, shadow=shadow, **kwargs).hidden
+    )
+    assert (ref_lp - new_lp).abs().max() <= 1e-10
+    assert set(ref_grads) == set(new_grads) and len(ref_grads) > 0
+    for name, grad in ref_grads.items():
+        assert (grad - new_grads[name]).abs().max() <= 1e-10, name
+    assert max(g.abs().max() for g in ref_grads.values()) > 1e-3
+
+
+@pytest.mark.parametrize("shadow", [False, True], ids=["dense", "shadow"])
+def test_shared_prefix_equals_per_row_in_float64(model64, family, shadow):
+    model = model64(family)
+    assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA
+    rollout = _rollout(model)
+    assert int((rollout.shadow_mask.evict_steps < NEVER).sum()) > 0
+    shareable, group = shareable_groups(rollout, shadow=shadow)
+    assert shareable.all() and group.tolist() == [0, 0, 0, 1, 1, 1]
+    _assert_same(model, rollout, shadow)
+
+
+def test_sliding_window_layers(model64):
+    model = model64("mistral", sliding_window=16)
+    rollout = _rollout(model)
+    for shadow in (False, True):
+        _assert_same(model, rollout, shadow)
+
+
+def test_prompt_evicted_during_encoding_falls_back_to_per_row(model64):
+    model = model64("qwen3")
+    rollout = _rollout(model)
+    rollout.shadow_mask.evict_steps[0, 1, 0, 2] = 10  # row 1 lost prompt key 2 before its prompt ended
+    shareable, group = shareable_groups(rollout, shadow=True)
+    assert shareable.tolist() == [True, False, True, True, True, True]
+    assert group.tolist() == [0, -1, 1, 2, 2, 2]
+    _assert_same(model, rollout, True)
+    assert shareable_groups(rollout, shadow=False)[0].all()  # the dense view shares regardless
+
+
+def test_differing_prompts_within_a_group_are_not_shared(model64):
+    model = model64("llama")
+    rollout = _rollout(model)
+    rollout.prompt_ids[2, -5] = (rollout.prompt_ids[2, -5] + 1) % model.config.vocab_size
+    shareable, group = shareable_groups(rollout, shadow=True)
+    assert group.tolist() == [0, 0, 1, 2, 2, 2]
+    _assert_same(model, rollout, True)
+
+
+def test_minibatch_slices_and_dense_rollouts(model64):
+    model = model64("qwen3")
+    rollout = _rollout(model, compressor=False)
+    _assert_same(model, rollout.select(slice(1, 5)), False)  # a slice splitting both groups
+
+
+def test_dense_teacher_reuses_the_prompt_and_matches_a_dense_pass(model64, family):
+    model = model64(family)
+    rollout = _rollout(model)
+    rollout.shadow_mask.evict_steps[1, 4, 1, 0] = 5  # one row falls back to the per-row passes
+    learner = learner_hidden_states(model, rollout, shadow=True, keep_prompt_kv=True)
+    assert learner._packing.plan.prompt_kv, "the masked pass kept no prompt keys"
+    teacher = learner.dense_hidden()
+    assert not teacher.requires_grad
+    expected = completion_hidden_states(model, rollout, shadow=False)
+    valid = rollout.completion_mask[..., None]
+    assert ((teacher - expected) * valid).abs().max() <= 1e-10
+    masked = completion_hidden_states(model, rollout, shadow=True)
+    assert ((masked - expected) * valid).abs().max() > 1e-3  # the two views differ: the test can fail
+
+
+def _saved_tensors(fn):
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append((tuple(t.shape), t.dtype)) or t, lambda t: t):
+        result = fn()
+    return result, saved
+
+
+def test_no_rows_heads_t_t_tensor_is_kept_for_backward(model64):
+    model = model64("qwen3")
+    rollout = _rollout(model)
+    learner, saved = _saved_tensors(lambda: learner_hidden_states(model, rollout, shadow=True))
+    plan = learner._packing.plan
+    rows, width, slot_queries = plan.prompt_lengths.shape[0], plan.width, plan.num_slots * plan.slot_width
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    masks = [torch.Size(shape).numel() for shape, _ in saved if len(shape) == 4 and shape[-1] == width]
+    assert masks and max(masks) <= rows * kv_heads * slot_queries * width  # slot queries x KV heads only
+    assert all(shape[-2:] != (width, width) for shape, _ in saved)
+    # The per-row pass keeps a [B, H_q, T, T] mask per layer: the checks above can fail.
+    _, per_row = _saved_tensors(lambda: completion_hidden_states(model, rollout, shadow=True))
+    per_row_width = rollout.prompt_ids.shape[1] + NEW
+    assert (len(rollout), heads, per_row_width, per_row_width) in {shape for shape, _ in per_row}
+
+
+def test_unknown_layout_is_rejected(tiny_model):
+    rollout = _rollout(tiny_model, compressor=False)
+    with pytest.raises(ValueError, match="layout must be one of"):
+        learner_hidden_states(tiny_model, rollout, layout="packed")
+
+
+@pytest.mark.parametrize("mode", ["dense", "naive", "sparse_rl", "smd"])
+def test_grpo_module_layouts_give_the_same_experience_loss_and_gradients(model64, mode):
+    """Every pass of a GRPO step (reference k3, Sparse-RL's dense pi_old, policy, SMD's dense teacher) agrees."""
+    policy = model64("qwen3")
+    rollout = _rollout(policy, compressor=mode != "dense")
+    compressor = None if mode == "dense" else PrefillThenDecode(SnapKV(20, window=8), H2O(20, window=4))
+    rewards = torch.tensor([1.0, 0.0, 0.5, 0.0, 1.0, 0.25])
+    sparse_rl = SparseRLConfig(veto_threshold=1e-30, lower=1e-9, upper=1e9, truncate=1e9)  # keep every row
+    results = {}
+    for layout in ("per_row", "shared_prefix"):
+        module = GRPOModule(copy.deepcopy(policy), mode=mode, compressor=compressor, beta=0.04, learner_layout=layout,
+                            sparse_rl=sparse_rl, temperature=0.9, logits_chunk_size=16)  # fmt: skip
+        experience = module.make_experience(rollout, rewards, group_size=GROUP)
+        module.policy.zero_grad()
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")  # self.log outside a Trainer
+            loss = module.training_step(experience, 0)
+        loss.backward()
+        grads = {name: p.grad.clone() for name, p in module.policy.named_parameters() if p.grad is not None}
+        results[layout] = (experience, loss.detach(), grads)
+    (old, old_loss, old_grads), (new, new_loss, new_grads) = results["per_row"], results["shared_prefix"]
+    assert (old.ref_logprobs - new.ref_logprobs).abs().max() <= 1e-10
+    assert (old.old_logprobs - new.old_logprobs).abs().max() <= 1e-10
+    assert torch.equal(old.loss_mask, new.loss_mask)
+    assert (old_loss - new_loss).abs() <= 1e-10 and old_loss.abs() > 0
+    assert set(old_grads) == set(new_grads)
+    for name, grad in old_grads.items():
+        assert (grad - new_grads[name]).abs().max() <= 1e-10, name
+
+
+def test_grpo_module_rejects_an_unknown_layout(tiny_model):
+    with pytest.raises(ValueError, match="learner_layout must be one of"):
+        GRPOModule(tiny_model, mode="dense", learner_layout="packed")
+
+
+@pytest.mark.parametrize("window", [None, 9])
+def test_flex_block_mask_matches_the_sdpa_masks(model64, window):
+    """CUDA's FlexAttention mask of a packed row: slot rows equal the SDPA slot mask, prompt rows are causal."""
+    from torch.nn.attention.flex_attention import create_mask
+
+    model = model64("qwen3")
+    rollout = _rollout(model)
+    plan = learner_hidden_states(model, rollout, shadow=True, backend="sdpa")._packing.plan
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    width, rows = plan.prompt_width, plan.prompt_lengths.shape[0]
+    positions = torch.arange(width)
+    real_keys = positions[None, None, :] < plan.prompt_lengths[:, None, None]  # [R, 1, W]
+    causal = (positions[None, :] <= positions[:, None])[None] & real_keys
+    causal |= torch.eye(width, dtype=torch.bool)
+    for layer in range(model.config.num_hidden_layers):
+        block_mask = plan._block_mask(layer, heads, kv_heads, window)
+        dense = create_mask(block_mask.mask_mod, rows, heads, plan.width, plan.width, device="cpu")  # [R, Hq, T, T]
+        slots = plan._slot_mask(layer, window, torch.device("cpu")).repeat_interleave(heads // kv_heads, dim=1)
+        assert torch.equal(dense[:, :, width:], slots)
+        expected = causal if window is None else causal & ((positions[:, None] - positions[None, :]) < window)
+        assert torch.equal(dense[:, :, :width, :width], expected[:, None].expand(-1, heads, -1, -1))
+        assert not dense[:, :, :width, width:].any()
+
+
+@pytest.mark.slow
+def test_flex_forward_matches_sdpa_on_cpu(peaky_model_factory):
+    """FlexAttention (CUDA's default) over packed rows, forward only on CPU (no backward there; ~1 min to compile)."""
+    model = peaky_model_factory("qwen3", dtype=torch.float32)
+    rollout = _rollout(model)
+    with torch.no_grad():
+        flex = learner_hidden_states(model, rollout, shadow=True, backend="flex").hidden
+        sdpa = learner_hidden_states(model, rollout, shadow=True, backend="sdpa").hidden
+    assert ((flex - sdpa) * rollout.completion_mask[..., None]).abs().max() <= 1e-4
+
+
+def test_activation_checkpointing_gives_the_same_gradients(model64):
+    model = model64("llama")
+    rollout = _rollout(model)
+    model.train()
+    model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+    _assert_same(model, rollout, True)
