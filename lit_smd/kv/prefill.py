@@ -13,8 +13,9 @@ scores, one exponential, one matmul with the values and one matrix-vector produc
 whole strip row means its log-sum-exp is exact without the online rescaling of FlashAttention (Dao et al. 2022,
 arXiv 2205.14135), so the probabilities are computed once and shared by the output, the column sums and SnapKV's
 window rows. Masks are built per strip and only where some key is invisible (the diagonal block, pad columns, the
-sliding window's edge): nothing of size ``P x P`` is ever allocated, and a strip holds at most about
-`BLOCK_ELEMENTS` scores (the strip height adapts to the batch, heads and prompt length).
+sliding window's edge): nothing of size ``P x P`` is ever allocated. A strip is ``head_dim`` query rows high (at
+least `MIN_BLOCK_ROWS`), so its scores take as much memory as the layer's query tensor: the prefill's peak grows by
+a buffer of the query's size, not with ``P^2``.
 
 When a policy needs no column sums, the output comes from SDPA (``is_causal``; one call per prompt when prompts
 are left-padded, on the unpadded slice) and SnapKV's window rows from a strip pass over the last ``window`` queries
@@ -29,12 +30,10 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
-__all__ = ["BLOCK_ELEMENTS", "PrefillContext", "PromptAttention", "blockwise_attention", "softmax_dtype"]
-
-BLOCK_ELEMENTS = 1 << 22
-"""Scores held by one row strip at most (16 MiB in float32), unless a strip of `MIN_BLOCK_ROWS` rows is larger."""
+__all__ = ["MIN_BLOCK_ROWS", "PrefillContext", "PromptAttention", "blockwise_attention", "softmax_dtype"]
 
 MIN_BLOCK_ROWS = 16
+"""Smallest default strip height (query rows per strip; the default is ``max(head_dim, MIN_BLOCK_ROWS)``)."""
 
 
 def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
@@ -55,12 +54,6 @@ class PromptAttention(NamedTuple):
     output: torch.Tensor | None
     window: torch.Tensor | None
     column_sums: torch.Tensor | None
-
-
-def _strip_rows(batch_heads: int, group: int, width: int, block_rows: int | None) -> int:
-    if block_rows is not None:
-        return block_rows
-    return max(MIN_BLOCK_ROWS, BLOCK_ELEMENTS // max(1, batch_heads * group * width))
 
 
 def blockwise_attention(
@@ -91,7 +84,8 @@ def blockwise_attention(
         window_rows: Return the probabilities of the last ``window_rows`` queries (0 = none); they must lie in
             ``[first_row, P)``.
         column_sums: Return the column sums of the probabilities of rows ``[first_row, P)``.
-        block_rows: Query rows per strip (default: as many as fit in `BLOCK_ELEMENTS` scores).
+        block_rows: Query rows per strip (default ``max(D, MIN_BLOCK_ROWS)``: a strip's scores are no larger than
+            the query tensor).
 
     Returns:
         A `PromptAttention`.
@@ -111,7 +105,7 @@ def blockwise_attention(
     sums = q.new_zeros(heads, 1, width) if column_sums else None
     win = q.new_zeros(heads, window_rows, group, width) if window_rows else None
     win_start = width - window_rows
-    step = _strip_rows(heads, group, width, block_rows)
+    step = max(dim, MIN_BLOCK_ROWS) if block_rows is None else block_rows
     buffer = q.new_empty(heads * min(step, rows) * group * width)  # reused by every strip: no per-strip allocation
     columns = torch.arange(width, device=query.device)
     pad_lo, pad_hi = int(pad_left.min()), int(pad_left.max())
