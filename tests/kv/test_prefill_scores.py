@@ -108,3 +108,29 @@ def test_float32_inputs_are_scored_in_float32_and_output_keeps_dtype():
     _, probs = _naive(q.double(), k.double(), v.double(), 0.3, pad_left, None)
     sums = probs.view(B, HKV, HQ // HKV, P, P).sum(dim=(2, 3))
     assert torch.allclose(result.column_sums.double(), sums, atol=1e-4)
+
+
+def test_rollout_builds_no_prompt_squared_mask(peaky_model_factory):
+    """transformers would build a [B, 1, P, P] mask for sliding-window models; the rollout passes none through."""
+    from transformers import AttentionInterface
+
+    from lit_smd.kv import ATTN_IMPLEMENTATION, H2O
+    from lit_smd.kv.attention import lit_smd_attention
+    from lit_smd.rollout import generate
+
+    masks = []
+
+    def spy(module, query, key, value, attention_mask, *args, **kwargs):
+        masks.append(0 if attention_mask is None else attention_mask.numel())
+        return lit_smd_attention(module, query, key, value, attention_mask, *args, **kwargs)
+
+    model = peaky_model_factory("mistral", sliding_window=16)
+    ids = torch.randint(7, 256, (2, 80))
+    mask = torch.ones_like(ids)
+    mask[1, :9] = 0
+    AttentionInterface.register(ATTN_IMPLEMENTATION, spy)
+    try:
+        generate(model, ids, mask, compressor=H2O(24, window=4), max_new_tokens=3)
+    finally:
+        AttentionInterface.register(ATTN_IMPLEMENTATION, lit_smd_attention)
+    assert masks and max(masks) < 80
