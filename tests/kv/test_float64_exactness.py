@@ -47,6 +47,21 @@ def test_float64_norms_do_not_round_through_float32(tiny_model_factory):
         assert (norm(x) - _reference_rms_norm(norm, x)).abs().max() <= 1e-14  # float32 rounding would be ~1e-7
 
 
+def test_float64_norms_are_continuous_at_float32_rounding_boundaries(tiny_model_factory):
+    """The mechanism of the real-model gap: two float64 inputs one float64 ulp apart, straddling a float32 rounding
+    boundary. transformers' norm maps them one float32 ulp apart (~1e-7); kept in float64 they stay ~1e-16 apart."""
+    model = _real_like(tiny_model_factory)
+    ensure_attention(model)
+    one = torch.tensor(1.0, dtype=torch.float32)
+    midpoint = (one.double() + torch.nextafter(one, torch.tensor(2.0)).double()) / 2  # exact in float64
+    x = torch.linspace(-1.5, 1.5, 72, dtype=torch.float64)[None, None, :].clone()
+    x[..., 0] = midpoint
+    nudged = x.clone()
+    nudged[..., 0] = torch.nextafter(midpoint, torch.tensor(2.0, dtype=torch.float64))
+    for norm in _norms(model):
+        assert (norm(nudged) - norm(x)).abs().max() <= 1e-14
+
+
 def test_float32_norms_are_unchanged(tiny_model_factory):
     model = _real_like(tiny_model_factory, dtype=torch.float32)
     assert keep_float64_norms(model) == 2 * model.config.num_hidden_layers + 1
