@@ -17,7 +17,7 @@ positions alone, elementwise, so a decode step and a teacher-forced pass get bit
 
 from __future__ import annotations
 
-import types
+from functools import partial
 
 import torch
 
@@ -44,7 +44,8 @@ def keep_float64_norms(model: torch.nn.Module) -> int:
     """Let the Llama-style RMSNorm modules of ``model`` compute float64 inputs in float64 (idempotent).
 
     Args:
-        model: Any module; its submodules are patched in place (instance ``forward``, deep-copy safe).
+        model: Any module; its submodules are patched in place (an instance ``forward`` that survives
+            ``copy.deepcopy`` and pickling).
 
     Returns:
         The number of norm modules that use the float64-preserving forward.
@@ -54,7 +55,7 @@ def keep_float64_norms(model: torch.nn.Module) -> int:
         if not _is_t5_style_rms_norm(module):
             continue
         forward = module.__dict__.get("forward")
-        if not (isinstance(forward, types.MethodType) and forward.__func__ is _rms_norm_forward):
-            module.forward = types.MethodType(_rms_norm_forward, module)
+        if not (isinstance(forward, partial) and forward.func is _rms_norm_forward):
+            module.forward = partial(_rms_norm_forward, module)  # picklable and deep-copyable with the module
         count += 1
     return count

@@ -7,6 +7,7 @@ the learner can become one float32 ulp (see `lit_smd.kv.precision`). These tests
 """
 
 import copy
+import pickle
 
 import pytest
 import torch
@@ -70,11 +71,12 @@ def test_float32_norms_are_unchanged(tiny_model_factory):
         assert torch.equal(norm(x), type(norm).forward(norm, x))
 
 
-def test_patched_norms_survive_deepcopy_and_repeated_calls(tiny_model_factory):
+@pytest.mark.parametrize("clone", [copy.deepcopy, lambda model: pickle.loads(pickle.dumps(model))])
+def test_patched_norms_survive_copies_and_repeated_calls(tiny_model_factory, clone):
     model = _real_like(tiny_model_factory)
     keep_float64_norms(model)
     assert keep_float64_norms(model) == len(_norms(model))  # idempotent
-    twin = copy.deepcopy(model)
+    twin = clone(model)
     with torch.no_grad():
         _norms(twin)[0].weight.mul_(2.0)
     x = torch.randn(1, 3, 72, dtype=torch.float64)
