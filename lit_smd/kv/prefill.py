@@ -14,8 +14,8 @@ whole strip row means its log-sum-exp is exact without the online rescaling of F
 arXiv 2205.14135), so the probabilities are computed once and shared by the output, the column sums and SnapKV's
 window rows. Masks are built per strip and only where some key is invisible (the diagonal block, pad columns, the
 sliding window's edge): nothing of size ``P x P`` is ever allocated. A strip is ``head_dim`` query rows high (at
-least `MIN_BLOCK_ROWS`), so its scores take as much memory as the layer's query tensor: the prefill's peak grows by
-a buffer of the query's size, not with ``P^2``.
+least `MIN_BLOCK_ROWS`), so a strip holds as many scores as the layer's query tensor has elements (float32/64): the
+prefill's peak grows by a buffer of the query's size, not with ``P^2``.
 
 When a policy needs no column sums, the output comes from SDPA (``is_causal``; one call per prompt when prompts
 are left-padded, on the unpadded slice) and SnapKV's window rows from a strip pass over the last ``window`` queries
