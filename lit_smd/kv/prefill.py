@@ -9,17 +9,18 @@ softmax probabilities ``p[i, j]`` (query ``i``, key ``j``, per query head):
 
 `blockwise_attention` computes the attention output and both statistics in one pass over *row strips*: query rows
 ``[s, s + block)`` against the keys they can see (``[0, s + block)``, or the sliding window), one matmul for the
-scores, one exponential, one matmul with the values and one matrix-vector product for the column sums. Holding a
-whole strip row means its log-sum-exp is exact without the online rescaling of FlashAttention (Dao et al. 2022,
-arXiv 2205.14135), so the probabilities are computed once and shared by the output, the column sums and SnapKV's
-window rows. Masks are built per strip and only where some key is invisible (the diagonal block, pad columns, the
-sliding window's edge): nothing of size ``P x P`` is ever allocated. A strip is ``head_dim`` query rows high (at
-least `MIN_BLOCK_ROWS`), so a strip holds as many scores as the layer's query tensor has elements (float32/64): the
-prefill's peak grows by a buffer of the query's size, not with ``P^2``.
+scores, one row-wise softmax in place, one matmul with the values and one matrix-vector product for the column sums.
+Holding a whole strip row means its normaliser is exact without the online rescaling of FlashAttention (Dao et al.
+2022, arXiv 2205.14135), so the probabilities are computed once and shared by the output, the column sums and
+SnapKV's window rows. Masks are built per strip and only where some key is invisible (the diagonal block, pad
+columns, the sliding window's edge): nothing of size ``P x P`` is ever allocated. A strip is ``head_dim`` query rows
+high (at least `MIN_BLOCK_ROWS`), so a strip holds as many scores as the layer's query tensor has elements
+(float32/64): the prefill's peak grows by a buffer of the query's size, not with ``P^2``.
 
 When a policy needs no column sums, the output comes from SDPA (``is_causal``; one call per prompt when prompts
 are left-padded, on the unpadded slice) and SnapKV's window rows from a strip pass over the last ``window`` queries
-only. Pad query rows see nothing: their output is zero and they add nothing to any score.
+only. Pad query rows attend to themselves inside the kernel (no NaN) and are then zeroed: their output is zero
+and they add nothing to any score.
 """
 
 from __future__ import annotations
@@ -109,12 +110,14 @@ def blockwise_attention(
     buffer = q.new_empty(heads * min(step, rows) * group * width)  # reused by every strip: no per-strip allocation
     columns = torch.arange(width, device=query.device)
     pad_lo, pad_hi = int(pad_left.min()), int(pad_left.max())
-    lowest = torch.finfo(dtype).min
+    ones = q.new_ones(heads, 1, step * group)
     for start in range(first_row, width, step):
         end = min(width, start + step)
-        if end <= pad_lo:  # every row of the strip is a pad: it sees nothing
+        if end <= pad_lo:  # every row of the strip is a pad (zero output)
             continue
-        low = pad_lo if sliding_window is None else max(pad_lo, start - sliding_window + 1)
+        low = min(pad_lo, start)  # columns before pad_lo are pads for every row
+        if sliding_window is not None:
+            low = max(low, start - sliding_window + 1)
         span, strip = end - low, (end - start) * group
         scores = buffer[: heads * strip * span].view(heads, strip, span)
         torch.bmm(q[:, (start - first_row) * group : (end - first_row) * group], k[:, low:end].transpose(1, 2),
@@ -129,25 +132,31 @@ def blockwise_attention(
             visible = (k_cols <= q_cols)[None] & (k_cols >= pad_left[:, None, None])  # [B, R, K]
             if sliding_window is not None:
                 visible &= (k_cols > q_cols - sliding_window)[None]
+            visible |= (k_cols == q_cols)[None]  # pad rows see themselves (no NaN); zeroed below
             by_row[..., lo - low : hi - low].masked_fill_(~visible[:, None, :, None, :], float("-inf"))
-        scores.sub_(scores.amax(dim=-1, keepdim=True).clamp_(min=lowest)).exp_()
-        total = scores.sum(dim=-1, keepdim=True)  # [BH, S, 1]
-        inverse = torch.where(total > 0, total.reciprocal(), 0.0)  # pad rows: no key, no mass
+        if scores.device.type == "cpu":  # row-wise fused softmax, in place: the strip is never copied
+            torch.ops.aten._softmax.out(scores, -1, False, out=scores)
+        else:
+            scores = torch.softmax(scores, dim=-1)
         if out is not None:
-            rows_out = slice((start - first_row) * group, (end - first_row) * group)
-            out[:, rows_out] = torch.bmm(scores, v[:, low:end]) * inverse
+            out[:, (start - first_row) * group : (end - first_row) * group] = torch.bmm(scores, v[:, low:end])
         if sums is not None:
-            sums[:, :, low:end].baddbmm_(inverse.transpose(1, 2), scores)
+            sums[:, :, low:end].baddbmm_(ones[:, :, :strip], scores)
         if win is not None and end > win_start:
             first = max(start, win_start)
-            probs = (scores * inverse).view(heads, end - start, group, span)[:, first - start :]
+            probs = scores.view(heads, end - start, group, span)[:, first - start :]
             win[:, first - win_start : end - win_start, :, low:end] = probs
-    output = None
+    pad_rows = columns[None, first_row:] < pad_left[:, None]  # [B, R]: they saw only themselves
+    output = window = None
     if out is not None:
         output = out.view(batch, kv_heads, rows, group, dim).permute(0, 2, 1, 3, 4).reshape(batch, rows, q_heads, dim)
-        output = output.to(query.dtype)
-    window = None if win is None else win.view(batch, kv_heads, window_rows, group, width).transpose(2, 3)
-    return PromptAttention(output, window, None if sums is None else sums.view(batch, kv_heads, width))
+        output = output.masked_fill(pad_rows[:, :, None, None], 0.0).to(query.dtype)
+    if win is not None:
+        window = win.view(batch, kv_heads, window_rows, group, width).transpose(2, 3)
+        window = window.masked_fill(pad_rows[:, None, None, rows - window_rows :, None], 0.0)
+    if sums is not None:  # a pad row's mass sits on its own (pad) column, which no real row sees
+        sums = sums.view(batch, kv_heads, width).masked_fill((columns[None, :] < pad_left[:, None])[:, None], 0.0)
+    return PromptAttention(output, window, sums)
 
 
 def causal_prompt_attention(
