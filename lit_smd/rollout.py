@@ -270,13 +270,16 @@ def generate(
     cache = BudgetedCache(model.config.num_hidden_layers, compressor, prompt_mask, max_new_tokens, num_samples)
     positions = cache.prompt_positions.clamp(min=0)  # [B, P] logical positions for RoPE
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
+    # A "prepared" 4-D mask, so transformers builds none (for sliding-window models it would build [B, 1, P, P]):
+    # the budgeted cache masks by logical position itself.
+    no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
 
     was_training = model.training
     model.eval()
     try:
         out = model(
-            input_ids=input_ids, position_ids=positions, cache=cache, budgeted_cache=cache, use_cache=True,
-            logits_to_keep=1,
+            input_ids=input_ids, attention_mask=no_mask, position_ids=positions, cache=cache, budgeted_cache=cache,
+            use_cache=True, logits_to_keep=1,
         )
         logits = out.logits[:, -1].repeat_interleave(num_samples, dim=0)  # [B*S, V]
         rows = logits.shape[0]
@@ -294,8 +297,8 @@ def generate(
                 break
             position = cache.decode_position(cache.prompt_width + step)[:, None]  # [B*S, 1]
             out = model(
-                input_ids=tokens[-1][:, None], position_ids=position, cache=cache, budgeted_cache=cache,
-                use_cache=True,
+                input_ids=tokens[-1][:, None], attention_mask=no_mask, position_ids=position, cache=cache,
+                budgeted_cache=cache, use_cache=True,
             )
             logits = out.logits[:, -1]
     finally:

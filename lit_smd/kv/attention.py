@@ -12,7 +12,8 @@ no model surgery. It dispatches on what the forward call carries:
 * neither: plain transformers SDPA with the mask transformers built, so an ordinary ``model(...)`` or
   ``model.generate(...)`` call behaves as ``attn_implementation="sdpa"``.
 
-Softmax runs in float32 (float64 for float64 models) on every path.
+Softmax runs in float32 (float64 for float64 models) on every path; `ensure_attention` also keeps the RMSNorms of
+float64 models in float64 (`lit_smd.kv.precision`), so float64 replay is exact on real models too.
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedM
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from lit_smd.kv.precision import keep_float64_norms
 from lit_smd.kv.prefix import PackedPlan
 
 __all__ = ["ATTN_IMPLEMENTATION", "ensure_attention", "lit_smd_attention"]
@@ -95,6 +97,8 @@ AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 def ensure_attention(model: torch.nn.Module) -> None:
     """Switch ``model`` to the lit_smd attention implementation, or explain why it cannot be.
 
+    Also lets its Llama-style RMSNorms compute float64 inputs in float64 (`lit_smd.kv.precision.keep_float64_norms`).
+
     Raises:
         TypeError: ``model`` is not a transformers `PreTrainedModel`, or its architecture does not route
             attention through transformers' ``AttentionInterface``.
@@ -103,6 +107,7 @@ def ensure_attention(model: torch.nn.Module) -> None:
         raise TypeError(
             f"model must be a transformers PreTrainedModel (a causal LM), got {type(model).__name__}"
         )
+    keep_float64_norms(model)  # float64 models: no float32 round trip in RMSNorm (see lit_smd.kv.precision)
     if model.config._attn_implementation == ATTN_IMPLEMENTATION:
         return
     if not model.is_backend_compatible():

@@ -17,87 +17,23 @@ decode policy evicts one key if the cache is over budget; that key gets ``e = po
 
 The attention math of the rollout lives here too, because eviction needs the exact attention probabilities
 of the rollout: `BudgetedLayer.attend_prefill` and `BudgetedLayer.attend_decode` are called by the registered
-attention function (`lit_smd.kv.attention`).
+attention function (`lit_smd.kv.attention`). The prompt attention and the prompt scores (SnapKV's window rows,
+H2O's column sums), computed strip by strip with no ``P x P`` buffer, are in `lit_smd.kv.prefill`.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from functools import cached_property
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from lit_smd.kv.compressors import Compressor, resolve_budget
+from lit_smd.kv.prefill import PrefillContext
+from lit_smd.kv.prefill import softmax_dtype as _softmax_dtype
 from lit_smd.kv.shadow import NEVER, ShadowMask
 
 __all__ = ["BudgetedCache", "BudgetedLayer", "DecodeState", "PrefillContext"]
-
-_QUERY_CHUNK = 256  # prompt queries per chunk when a policy needs attention column sums
-
-
-def _softmax_dtype(dtype: torch.dtype) -> torch.dtype:
-    return torch.float64 if dtype == torch.float64 else torch.float32
-
-
-@dataclass
-class PrefillContext:
-    """What a prefill policy may look at: the exact dense prefill attention of one layer, computed lazily.
-
-    Attributes:
-        query: ``[B, H_q, P, D]`` post-RoPE queries of the prompt batch (left-padded).
-        key: ``[B, H_kv, P, D]`` post-RoPE keys.
-        scaling: Softmax scaling of the attention module.
-        positions: ``[B, P]`` logical positions of the columns (``-1`` for pads).
-        newest: ``[B]`` logical position of each sequence's last prompt token.
-        sliding_window: The layer's sliding window, or None.
-        generator: Generator for randomised policies.
-    """
-
-    query: torch.Tensor
-    key: torch.Tensor
-    scaling: float
-    positions: torch.Tensor
-    newest: torch.Tensor
-    sliding_window: int | None
-    generator: torch.Generator
-
-    @property
-    def num_kv_heads(self) -> int:
-        return self.key.shape[1]
-
-    def _probs(self, rows: slice) -> torch.Tensor:
-        """Softmax attention of the prompt queries ``rows`` over all prompt keys: ``[B, H_kv, G, R, P]``."""
-        batch, q_heads, _, dim = self.query.shape
-        kv_heads = self.num_kv_heads
-        query = self.query[:, :, rows].reshape(batch, kv_heads, q_heads // kv_heads, -1, dim)  # [B, Hkv, G, R, D]
-        dtype = _softmax_dtype(query.dtype)
-        scores = torch.matmul(query.to(dtype), self.key[:, :, None].to(dtype).transpose(-1, -2)) * self.scaling
-        q_pos = self.positions[:, rows]  # [B, R]
-        visible = _visible(q_pos, self.positions, self.sliding_window)  # [B, R, P]
-        scores = scores.masked_fill(~visible[:, None, None], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)
-        return torch.nan_to_num(probs, nan=0.0)  # pad query rows see nothing: no mass, no NaN
-
-    def window_attention(self, window: int) -> torch.Tensor:
-        """Attention of the last ``window`` prompt queries: ``[B, H_kv, G, window, P]`` (float32/64)."""
-        width = self.query.shape[2]
-        return self._probs(slice(width - window, width))
-
-    @cached_property
-    def _column_sums(self) -> torch.Tensor:
-        width = self.query.shape[2]
-        total = torch.zeros(
-            self.key.shape[0], self.num_kv_heads, width, dtype=_softmax_dtype(self.query.dtype), device=self.key.device
-        )
-        for start in range(0, width, _QUERY_CHUNK):
-            total += self._probs(slice(start, start + _QUERY_CHUNK)).sum(dim=(2, 3))
-        return total
-
-    def attention_column_sums(self) -> torch.Tensor:
-        """Attention each prompt key received, summed over real prompt queries and the GQA group: ``[B, H_kv, P]``."""
-        return self._column_sums
 
 
 @dataclass
@@ -116,15 +52,6 @@ class DecodeState:
     accumulated: torch.Tensor
     newest: torch.Tensor
     generator: torch.Generator
-
-
-def _visible(q_pos: torch.Tensor, k_pos: torch.Tensor, sliding_window: int | None) -> torch.Tensor:
-    """Causal visibility by logical position, pads excluded: ``[B, Q, K]`` bool."""
-    query, key = q_pos[:, :, None], k_pos[:, None, :]  # broadcast to [B, Q, K] as bools only
-    visible = (key >= 0) & (query >= 0) & (key <= query)
-    if sliding_window is not None:
-        visible &= key > query - sliding_window
-    return visible
 
 
 class BudgetedLayer(CacheLayerMixin):
@@ -183,32 +110,30 @@ class BudgetedLayer(CacheLayerMixin):
 
     # -- rollout attention -----------------------------------------------------------------------------------
     def attend_prefill(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
-        """Dense prefill attention, then prompt selection into the slots. Returns ``[B, P, H_q, D]``."""
+        """Dense prefill attention, then prompt selection into the slots. Returns ``[B, P, H_q, D]``.
+
+        When the policy accumulates attention (H2O), its column sums come from the same pass as the output.
+        """
         key, value = self._prompt_kv
         self._prompt_kv = None
         cache = self.cache
-        width = key.shape[2]
-        positions = cache.prompt_positions  # [B, P] logical, -1 for pads
-        if sliding_window is None and bool((positions >= 0).all()):  # no pads, no window: plain causal, no mask
-            out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
-        else:
-            columns = torch.arange(width, device=key.device)
-            visible = _visible(positions, positions, sliding_window)
-            visible |= (columns[:, None] == columns[None, :]) & (positions < 0)[:, :, None]  # pad rows: themselves
-            out = F.scaled_dot_product_attention(
-                query, key, value, attn_mask=visible[:, None], scale=scaling, enable_gqa=True
-            )  # [B, Hq, P, D]
-        self._select_prompt(key, value, query, scaling, sliding_window)
-        self.seen = width
-        return out.transpose(1, 2).contiguous()
+        policy = cache.compressor
+        ctx = PrefillContext(
+            query, key, value, scaling, cache.prompt_positions, cache.prompt_lengths - 1, sliding_window,
+            cache.generator,
+        )
+        needs_sums = policy is not None and policy.accumulates_attention
+        out = ctx.attend(column_sums=needs_sums, window=getattr(policy, "observation_window", 0))
+        self._select_prompt(ctx)
+        self.seen = key.shape[2]
+        return out.contiguous()
 
-    def _select_prompt(self, key, value, query, scaling: float, sliding_window: int | None) -> None:
-        cache = self.cache
+    def _select_prompt(self, ctx: PrefillContext) -> None:
+        cache, key, value = self.cache, ctx.key, ctx.value
         batch, kv_heads, width, _ = key.shape
         positions = cache.prompt_positions  # [B, P]
         real = positions >= 0
         policy = cache.compressor
-        ctx = PrefillContext(query, key, scaling, positions, cache.prompt_lengths - 1, sliding_window, cache.generator)
         if policy is None:
             scores = torch.zeros(batch, kv_heads, width, device=key.device)
         else:

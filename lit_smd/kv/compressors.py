@@ -187,6 +187,11 @@ class SnapKV:
         """SnapKV needs a full observation window inside every prompt."""
         return self.window
 
+    @property
+    def observation_window(self) -> int:
+        """Prompt queries whose attention rows `prefill_scores` reads (the prefill keeps them from its own pass)."""
+        return self.window
+
     def prefill_scores(self, ctx: PrefillContext) -> torch.Tensor:
         """Keep scores ``[B, Hkv, P]`` for the prompt columns; the observation window gets +inf."""
         probs = ctx.window_attention(self.window)  # [B, Hkv, G, W, P]
@@ -372,6 +377,10 @@ class PrefillThenDecode:
     @property
     def accumulates_attention(self) -> bool:
         return self.decode.accumulates_attention
+
+    @property
+    def observation_window(self) -> int:
+        return getattr(self.prefill, "observation_window", 0)
 
     @property
     def seed(self) -> int:
