@@ -6,18 +6,19 @@ shadow mask replayed over the full ``[T, T]`` grid). Rollouts are left-padded, w
 on GQA tiny models of every family.
 
 Transformers' RMSNorm computes in float32 even in a float64 model, which caps the agreement of two float64 passes
-that sum the same gradients in a different order at ~1e-7; the models here get a float64 RMSNorm (`_float64_norms`)
+that sum the same gradients in a different order at ~1e-7; the models here get a float64 RMSNorm
+(`lit_smd.kv.precision.keep_float64_norms`, which `ensure_attention` also applies)
 so that the comparison measures our arithmetic at float64 precision.
 """
 
 import copy
-import types
 import warnings
 
 import pytest
 import torch
 
 from lit_smd.kv import H2O, NEVER, PrefillThenDecode, SnapKV
+from lit_smd.kv.precision import keep_float64_norms
 from lit_smd.learner_layout import learner_hidden_states, shareable_groups
 from lit_smd.losses.sparse_rl import SparseRLConfig
 from lit_smd.modules.grpo import GRPOModule
@@ -26,17 +27,9 @@ from lit_smd.rollout import Rollout, completion_hidden_states, generate
 GROUP, NEW = 3, 12
 
 
-def _norm_forward(self, hidden: torch.Tensor) -> torch.Tensor:
-    variance = hidden.pow(2).mean(-1, keepdim=True)
-    return self.weight * (hidden * torch.rsqrt(variance + self.variance_epsilon))
-
-
 def _float64_norms(model):
     """``model`` with every RMSNorm computing in the input's dtype (see the module docstring)."""
-    norms = [module for module in model.modules() if type(module).__name__.endswith("RMSNorm")]
-    assert norms
-    for module in norms:
-        module.forward = types.MethodType(_norm_forward, module)
+    assert keep_float64_norms(model) > 0
     return model
 
 
