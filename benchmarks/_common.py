@@ -213,7 +213,7 @@ def make_compressor(name: str, budget: int | float, *, window: int = 32, sinks: 
     if name == "recent":
         return RecentWindow(budget, sinks=sinks)
     if name == "random":
-        return RandomEviction(budget, window=window, sinks=sinks, seed=3)
+        return RandomEviction(budget, window=window, sinks=sinks)
     if name == "prefill_then_decode":
         return PrefillThenDecode(SnapKV(budget, window=window), H2O(budget, window=window, sinks=sinks))
     raise KeyError(f"no benchmark defaults for compressor {name!r}: add them to benchmarks/_common.py")
