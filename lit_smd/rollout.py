@@ -28,7 +28,7 @@ import torch.nn.functional as F
 
 from lit_smd.kv.attention import ensure_attention
 from lit_smd.kv.cache import BudgetedCache
-from lit_smd.kv.compressors import Compressor, SnapKV
+from lit_smd.kv.compressors import Compressor, SnapKV, resolve_budget
 from lit_smd.kv.shadow import AttentionPlan, ShadowMask
 
 __all__ = ["Rollout", "completion_hidden_states", "generate", "prefill", "sample_tokens", "score"]
@@ -209,6 +209,9 @@ def _check_generate_args(
         shortest = int(mask.sum(dim=1).min())
         if shortest < compressor.min_prompt_length:
             name = "SnapKV" if isinstance(compressor, SnapKV) else type(compressor).__name__
+            # A paper-mode budget too small for the prompt explains itself; else it is SnapKV's window.
+            resolve_budget(compressor.budget, mask.sum(dim=1), max_new_tokens, compressor.min_budget,
+                           type(compressor).__name__, compressor.budget_mode)
             raise ValueError(
                 f"a prompt of {shortest} tokens is shorter than the {name} observation window "
                 f"({compressor.min_prompt_length}); lower the window or filter short prompts"

@@ -131,3 +131,19 @@ def test_micro_batched_prefill_gives_the_one_shot_rollout(peaky_model_factory, n
 def test_prefill_then_decode_budget_mode_is_its_parts():
     policy = PrefillThenDecode(SnapKV(0.5, window=8, budget_mode="fixed"), H2O(0.5, window=4, budget_mode="fixed"))
     assert policy.budget_mode == "fixed"
+
+
+def test_visible_fraction_by_phase_matches_the_kept_counts_and_brute_force(peaky_model_factory):
+    model = peaky_model_factory("qwen3")
+    rollout = _rollout(model, make_compressor("recent", 0.5))
+    phases = rollout.shadow_mask.visible_fraction_by_phase(rollout.prompt_lengths, rollout.completion_mask)
+    assert float(phases["prompt"]) == pytest.approx((20 / 40 + 13 / 27) / 2)  # floor(0.5 * P) of P, both prompts
+    steps = rollout.shadow_mask.evict_steps.long()  # [L, B, H, T]
+    shares = []
+    for row in range(steps.shape[1]):
+        prompt_length = LENGTHS[row // 2]
+        for t in range(1, int(rollout.completion_lengths[row])):  # tokens sampled by decode queries
+            query = prompt_length + t - 1
+            visible = (torch.arange(steps.shape[-1]) <= query) & (query < steps[:, row])  # [L, H, T]
+            shares.append(visible.sum(-1).double() / (query + 1))
+    assert float(phases["decode"]) == pytest.approx(float(torch.stack(shares).mean()))
