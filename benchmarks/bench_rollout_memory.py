@@ -33,9 +33,10 @@ Figures:
   the slot buffers' data pointers and ``kv_bytes()`` staying constant over the decode loop (the unit test
   ``tests/kv/test_rollout.py::test_cache_is_allocated_once_and_evicts_in_place`` asserts the same).
 
-Defaults: CPU (no GPU): 8 prompts of 2048 tokens (each 10% shorter than the one before, left-padded) x 4 samples,
-64 new tokens, a float32 model with hidden 256, 8 layers, 8 query / 4 KV heads; a few minutes. CUDA: an 8192-token
-prompt, 2 prompts x 4 samples, 128 new tokens, a bfloat16 model with hidden 1024, 8 layers, 16 query / 4 KV heads.
+Defaults: CPU (no GPU): 8 prompts of 2048, 1844, ..., 615 tokens (each 10% of 2048 shorter than the one before,
+left-padded) x 4 samples, 64 new tokens, a float32 model with hidden 256, 8 layers, 8 query / 4 KV heads; several
+minutes. CUDA: an 8192-token prompt, 2 prompts x 4 samples, 128 new tokens, a bfloat16 model with hidden 1024,
+8 layers, 16 query / 4 KV heads.
 
 Usage::
 
