@@ -201,21 +201,22 @@ def left_padded_prompts(
     return ids.masked_fill(mask == 0, 0).to(device), mask.to(device)
 
 
-def make_compressor(name: str, budget: int | float, *, window: int = 32, sinks: int = 4):
-    """One configuration of each `lit_smd.kv.COMPRESSORS` entry, sharing ``budget``, ``window`` and ``sinks``.
+def make_compressor(name: str, budget: int | float, *, window: int = 32, sinks: int = 4, budget_mode: str = "paper"):
+    """One configuration of each `lit_smd.kv.COMPRESSORS` entry, sharing ``budget``, ``window``, ``sinks`` and mode.
 
     ``prefill_then_decode`` is SnapKV at prefill then H2O while decoding, the usual composition.
     """
+    mode = {"budget_mode": budget_mode}
     if name == "snapkv":
-        return SnapKV(budget, window=window)
+        return SnapKV(budget, window=window, **mode)
     if name == "h2o":
-        return H2O(budget, window=window, sinks=sinks)
+        return H2O(budget, window=window, sinks=sinks, **mode)
     if name == "recent":
-        return RecentWindow(budget, sinks=sinks)
+        return RecentWindow(budget, sinks=sinks, **mode)
     if name == "random":
-        return RandomEviction(budget, window=window, sinks=sinks, seed=3)
+        return RandomEviction(budget, window=window, sinks=sinks, **mode)
     if name == "prefill_then_decode":
-        return PrefillThenDecode(SnapKV(budget, window=window), H2O(budget, window=window, sinks=sinks))
+        return PrefillThenDecode(SnapKV(budget, window=window, **mode), H2O(budget, window=window, sinks=sinks, **mode))
     raise KeyError(f"no benchmark defaults for compressor {name!r}: add them to benchmarks/_common.py")
 
 

@@ -6,11 +6,14 @@ Variants, all on the same model, prompts and sampling seed, in this run:
 - ``hf_dynamic``: a plain transformers decode loop with a ``DynamicCache`` (what ``model.generate`` uses; it grows
   by ``torch.cat`` every step). The prompt is prefilled once and the cache repeated per sample, like ours;
 - ``<compressor>@<budget>``: lit_smd's rollout with a compressor at a fractional budget (default SnapKV-then-H2O
-  and RecentWindow at 50% and 30%; a fraction f keeps ``floor(f * (prompt + new tokens))`` keys per layer and KV
-  head, plus one slot for the query that triggers an eviction).
+  and RecentWindow at 50% and 30%, ``--budget-mode paper``: the prefill keeps ``floor(f * P)`` prompt keys per layer
+  and KV head and decoding at most ``floor(f * (P + t))``; the slots hold the largest of these plus one for the key
+  written before an eviction).
 
-The decode loop is driven here directly (prefill, then one token per forward, as `lit_smd.rollout.generate` does),
-so memory can be read between phases and around each decode step.
+The decode loop is driven here directly (`lit_smd.rollout.prefill` in micro-batches of ``--prefill-batch-size``
+prompts, as `lit_smd.rollout.generate` does, then one token per forward), so memory can be read between phases and
+around each decode step. lit_smd's variants (dense included) prefill one prompt at a time by default, compressing
+each into the cache before the next: the rollout's peak is one prompt's prefill plus the budgeted cache of all rows.
 
 Figures:
 
@@ -30,9 +33,10 @@ Figures:
   the slot buffers' data pointers and ``kv_bytes()`` staying constant over the decode loop (the unit test
   ``tests/kv/test_rollout.py::test_cache_is_allocated_once_and_evicts_in_place`` asserts the same).
 
-Defaults: CPU (no GPU): a 2048-token prompt, 4 samples, 64 new tokens, a float32 model with hidden 256, 4 layers,
-8 query / 2 KV heads; about a minute. CUDA: an 8192-token prompt, 2 prompts x 4 samples, 128 new tokens, a bfloat16
-model with hidden 1024, 8 layers, 16 query / 4 KV heads.
+Defaults: CPU (no GPU): 8 prompts of 2048, 1844, ..., 615 tokens (each 10% of 2048 shorter than the one before,
+left-padded) x 4 samples, 64 new tokens, a float32 model with hidden 256, 8 layers, 8 query / 4 KV heads; several
+minutes. CUDA: an 8192-token prompt, 2 prompts x 4 samples, 128 new tokens, a bfloat16 model with hidden 1024,
+8 layers, 16 query / 4 KV heads.
 
 Usage::
 
@@ -56,7 +60,7 @@ import torch
 from transformers import DynamicCache
 
 from lit_smd.kv import BudgetedCache, ensure_attention
-from lit_smd.rollout import sample_tokens
+from lit_smd.rollout import prefill, sample_tokens
 
 DENSE, HF = "dense", "hf_dynamic"
 
@@ -133,6 +137,8 @@ def measure_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)
         out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True,
                     logits_to_keep=1)
+        logits = out.logits[:, -1]
+        del out
         cache.batch_repeat_interleave(samples)
         attn = mask.repeat_interleave(samples, dim=0)
         next_position = positions[:, -1:].repeat_interleave(samples, dim=0) + 1
@@ -149,10 +155,11 @@ def measure_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         compressor = None
         if variant != DENSE:
             name, budget = variant.split("@")
-            compressor = C.make_compressor(name, float(budget), window=args.window, sinks=args.sinks)
-        cache = BudgetedCache(model.config.num_hidden_layers, compressor, mask.bool(), new, samples)
-        out = model(input_ids=ids, position_ids=cache.prompt_positions.clamp(min=0), cache=cache,
-                    budgeted_cache=cache, use_cache=True, logits_to_keep=1)
+            compressor = C.make_compressor(
+                name, float(budget), window=args.window, sinks=args.sinks, budget_mode=args.budget_mode
+            )
+        cache = BudgetedCache(model.config.num_hidden_layers, compressor, mask.bool(), new, samples, generator)
+        logits = prefill(model, cache, ids, args.prefill_batch_size)
 
         def decode(token: torch.Tensor, step: int):
             position = cache.decode_position(cache.prompt_width + step)[:, None]
@@ -161,8 +168,7 @@ def measure_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
 
         kv_bytes = cache.kv_bytes
 
-    logits = out.logits[:, -1].repeat_interleave(samples, dim=0)
-    del out
+    logits = logits.repeat_interleave(samples, dim=0)
     prefill_peak = probe.peak() - base
     pointers = _pointers(cache)
     kv_after_prefill = kv_bytes()
@@ -170,6 +176,7 @@ def measure_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
     decode_base = probe.current()
     probe.reset()
     steps = []  # per decode step: allocated before, peak during, allocated after (CUDA only)
+    evicted = []  # per decode step: whether some row evicted (the cache was at its budget)
     for step in range(new - 1):
         token, _ = sample_tokens(logits, generator=generator)
         before = probe.current()
@@ -178,6 +185,8 @@ def measure_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         logits = decode(token, step).logits[:, -1]
         if probe.cuda:
             steps.append((before, probe.peak(), probe.current()))
+        if isinstance(cache, BudgetedCache):
+            evicted.append(cache.decode_step(cache.prompt_width + step).over is not None)
     decode_peak = (max(s[1] for s in steps) if probe.cuda and steps else probe.peak()) - base
 
     result = {
@@ -195,7 +204,7 @@ def measure_variant(variant: str, args: argparse.Namespace) -> dict[str, Any]:
         "kv_bytes_constant": kv_bytes() == kv_after_prefill,
     }
     if probe.cuda:
-        result.update(_spike(steps, cache, variant))
+        result.update(_spike(steps, evicted if isinstance(cache, BudgetedCache) and cache.compressor else None))
     else:
         result["ru_maxrss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
     return result
@@ -205,12 +214,9 @@ def _pointers(cache) -> list[tuple[int, int]]:
     return [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]
 
 
-def _spike(steps: list[tuple[int, int, int]], cache, variant: str) -> dict[str, Any]:
-    """Peak during decode steps once the cache is full (every step evicts) against memory held before each."""
-    if isinstance(cache, BudgetedCache) and cache.compressor is not None:
-        full = [s for s, layer_full in zip(steps, _full_flags(cache, len(steps)), strict=True) if layer_full]
-    else:
-        full = steps  # dense variants: every decode step (nothing is evicted)
+def _spike(steps: list[tuple[int, int, int]], evicted: list[bool] | None) -> dict[str, Any]:
+    """Peak during decode steps that evict (``evicted``; every step for dense variants) against memory held before."""
+    full = steps if evicted is None else [s for s, evicts in zip(steps, evicted, strict=True) if evicts]
     if not full:
         return {"spike_steps": 0}
     steady = statistics.median(before for before, _, _ in full)
@@ -224,13 +230,6 @@ def _spike(steps: list[tuple[int, int, int]], cache, variant: str) -> dict[str, 
         "spike_excess_median_bytes": statistics.median(excess),
         "growth_per_step_median_bytes": statistics.median(growth),
     }
-
-
-def _full_flags(cache: BudgetedCache, num_steps: int) -> list[bool]:
-    """Whether decode step ``s`` ran with the cache at its budget (eviction possible): prompt kept >= budget."""
-    kept_after_prefill = int(torch.minimum(cache.prompt_budgets, cache.prompt_lengths).min())
-    budget = int(cache.prompt_budgets.min())
-    return [kept_after_prefill + step + 1 > budget for step in range(num_steps)]
 
 
 def _measure_in_subprocess(variant: str, argv: list[str]) -> dict[str, Any]:
@@ -301,18 +300,21 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto", help="'auto' (cuda if available), 'cpu' or 'cuda'")
     parser.add_argument("--prompt-len", type=int, default=None, help="default: 8192 on CUDA, 2048 on CPU")
     parser.add_argument("--batch", type=int, default=None, help="prompts (each 10%% shorter, left-padded); "
-                        "default 2 on CUDA, 1 on CPU")
+                        "default 2 on CUDA, 8 on CPU")
     parser.add_argument("--num-samples", type=int, default=4, help="completions per prompt (prefill shared)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default: 128 on CUDA, 64 on CPU")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.3], help="fractions of the context")
+    parser.add_argument("--budget-mode", default="paper", choices=["paper", "fixed"],
+                        help="how a fraction is read (lit_smd.kv.compressors)")
+    parser.add_argument("--prefill-batch-size", type=int, default=1, help="prompts per prefill forward (lit_smd)")
     parser.add_argument("--compressors", nargs="+", default=["prefill_then_decode", "recent"])
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--sinks", type=int, default=4)
     parser.add_argument("--no-hf", dest="hf", action="store_false", help="skip the transformers DynamicCache row")
     parser.add_argument("--hidden-size", type=int, default=None, help="default: 1024 on CUDA, 256 on CPU")
-    parser.add_argument("--num-layers", type=int, default=None, help="default: 8 on CUDA, 4 on CPU")
+    parser.add_argument("--num-layers", type=int, default=None, help="default: 8")
     parser.add_argument("--num-heads", type=int, default=None, help="default: 16 on CUDA, 8 on CPU")
-    parser.add_argument("--num-kv-heads", type=int, default=None, help="default: 4 on CUDA, 2 on CPU")
+    parser.add_argument("--num-kv-heads", type=int, default=None, help="default: 4")
     parser.add_argument("--vocab-size", type=int, default=None, help="default: 32000 on CUDA, 1024 on CPU")
     parser.add_argument("--dtype", default=None, choices=list(C.DTYPES), help="default: bfloat16 on CUDA, else float32")
     C.add_threads_flag(parser, default=1)
@@ -328,8 +330,8 @@ def build_parser() -> argparse.ArgumentParser:
 def _fill_defaults(args: argparse.Namespace) -> None:
     cuda = C.resolve_device(args.device).type == "cuda"
     defaults = {
-        "prompt_len": (8192, 2048), "batch": (2, 1), "new_tokens": (128, 64), "hidden_size": (1024, 256),
-        "num_layers": (8, 4), "num_heads": (16, 8), "num_kv_heads": (4, 2), "vocab_size": (32000, 1024),
+        "prompt_len": (8192, 2048), "batch": (2, 8), "new_tokens": (128, 64), "hidden_size": (1024, 256),
+        "num_layers": (8, 8), "num_heads": (16, 8), "num_kv_heads": (4, 4), "vocab_size": (32000, 1024),
         "dtype": ("bfloat16", "float32"),
     }
     for name, (on_cuda, on_cpu) in defaults.items():
@@ -383,10 +385,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         C.interrupted(payload, args.json)
     text = _tables(payload["results"], cuda)
     notes = (
-        "Ratios are variant / dense (lit_smd, compressor=None), same run. KV ratio ~ budget fraction + one slot. "
-        "Prefill peaks are prefill activations (dense attention over the prompt, plus the compressor's scoring: "
-        "H2O/SnapKV need attention probabilities), so compression cannot lower them; the decode peak is where the "
-        "cache dominates."
+        "Ratios are variant / dense (lit_smd, compressor=None, same prefill micro-batches), same run. KV ratio ~ the "
+        "largest budget reached as a share of the dense cache. The prefill peak is the slot buffers of all rows plus "
+        "one micro-batch's prefill activations (dense attention over its prompts and the compressor's scoring: "
+        "H2O/SnapKV need attention probabilities); the decode peak is where the cache dominates."
     )
     if not cuda:
         notes += (

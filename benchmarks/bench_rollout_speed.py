@@ -86,10 +86,12 @@ def _run_once(variant: str, models: dict[str, Any], ids, mask, args, device, new
             compressor = None
             if variant != DENSE:
                 name, budget = variant.split("@")
-                compressor = C.make_compressor(name, float(budget), window=args.window, sinks=args.sinks)
+                compressor = C.make_compressor(
+                    name, float(budget), window=args.window, sinks=args.sinks, budget_mode=args.budget_mode
+                )
             rollout = generate(
                 model, ids, mask, compressor=compressor, max_new_tokens=new_tokens, num_samples=args.num_samples,
-                generator=generator,
+                generator=generator, prefill_batch_size=args.prefill_batch_size,
             )
             produced = rollout.completion_ids.shape[1]
         C.synchronize(device)
@@ -144,10 +146,11 @@ def _table(results: list[dict[str, Any]]) -> str:
             r["prompt_len"], r["variant"], f"{r['prefill_s'] * 1e3:.0f}", ratio(hf, "prefill_s"),
             ratio(dense, "prefill_s"), f"{r['decode_tok_s']:.1f}", ratio(hf, "decode_tok_s"),
             ratio(dense, "decode_tok_s"), f"{r['total_tok_s']:.1f}", ratio(hf, "total_tok_s"),
+            ratio(dense, "total_tok_s"),
         ])
     headers = [
         "prompt", "variant", "prefill ms", "prefill / hf", "prefill / dense", "decode tok/s", "decode vs hf",
-        "decode vs dense", "end-to-end tok/s", "end-to-end vs hf",
+        "decode vs dense", "end-to-end tok/s", "end-to-end vs hf", "end-to-end vs dense",
     ]
     return C.markdown_table(headers, rows)
 
@@ -161,6 +164,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-samples", type=int, default=4, help="completions per prompt")
     parser.add_argument("--new-tokens", type=int, default=None, help="default: 128 on CUDA, 32 on CPU")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5], help="fractions of the context")
+    parser.add_argument("--budget-mode", default="paper", choices=["paper", "fixed"],
+                        help="how a fraction is read (lit_smd.kv.compressors)")
+    parser.add_argument("--prefill-batch-size", type=int, default=1, help="prompts per prefill forward (lit_smd)")
     parser.add_argument("--compressors", nargs="+", default=["prefill_then_decode", "recent"])
     parser.add_argument("--window", type=int, default=32)
     parser.add_argument("--sinks", type=int, default=4)

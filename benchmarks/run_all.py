@@ -40,8 +40,8 @@ _TINY_MODEL = ["--hidden-size", "64", "--num-layers", "2", "--num-heads", "4", "
 QUICK_ARGS = {
     "parity": ["--families", "qwen3", "--dtypes", "float64", "--compressors", "prefill_then_decode", "none",
                "--seeds", "1", "--new-tokens", "8"],
-    "memory": [*_TINY_MODEL, "--vocab-size", "256", "--prompt-len", "96", "--new-tokens", "6", "--num-samples", "2",
-               "--budgets", "0.5", "--compressors", "recent", "--window", "8", "--in-process"],
+    "memory": [*_TINY_MODEL, "--vocab-size", "256", "--prompt-len", "96", "--batch", "2", "--new-tokens", "6",
+               "--num-samples", "2", "--budgets", "0.5", "--compressors", "recent", "--window", "8", "--in-process"],
     "speed": [*_TINY_MODEL, "--vocab-size", "256", "--prompt-lens", "64", "--new-tokens", "4", "--num-samples", "2",
               "--compressors", "recent", "--window", "8", "--repeats", "1"],
     "learner_overhead": [*_TINY_MODEL, "--vocab-size", "256", "--prompt-lens", "64", "--new-tokens", "4",

@@ -1,8 +1,10 @@
 """Sampling from any Hugging Face causal LM under a compressed KV cache, and teacher-forced re-scoring.
 
 `generate` owns its prefill/decode loop (``model.generate`` rejects the extra keyword arguments the attention
-function needs): left-padded prompts are prefilled once, the cache is shared by ``num_samples`` completions per
-prompt, and each step samples every row with one generator, so a seeded rollout is reproducible. With a
+function needs): left-padded prompts are prefilled once, in micro-batches of ``prefill_batch_size`` prompts, each
+compressed into the cache before the next runs (so the peak memory is one micro-batch's prefill plus the budgeted
+cache of all rows); the cache is shared by ``num_samples`` completions per prompt, and each step samples every row
+with one generator (randomised compressors draw from it too), so a seeded rollout is reproducible. With a
 compressor it returns the `ShadowMask` of what each token could see.
 
 `score` recomputes the log-probs of the completion tokens in one teacher-forced pass, either replaying the
@@ -26,10 +28,10 @@ import torch.nn.functional as F
 
 from lit_smd.kv.attention import ensure_attention
 from lit_smd.kv.cache import BudgetedCache
-from lit_smd.kv.compressors import Compressor, SnapKV
+from lit_smd.kv.compressors import Compressor, SnapKV, resolve_budget
 from lit_smd.kv.shadow import AttentionPlan, ShadowMask
 
-__all__ = ["Rollout", "completion_hidden_states", "generate", "sample_tokens", "score"]
+__all__ = ["Rollout", "completion_hidden_states", "generate", "prefill", "sample_tokens", "score"]
 
 
 @dataclass
@@ -171,7 +173,8 @@ def sample_tokens(
 
 
 def _check_generate_args(
-    model, input_ids, attention_mask, compressor, max_new_tokens, temperature, top_p, top_k, num_samples
+    model, input_ids, attention_mask, compressor, max_new_tokens, temperature, top_p, top_k, num_samples,
+    prefill_batch_size,
 ) -> None:
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
         raise ValueError(f"input_ids must be a 2-D tensor [batch, prompt_length], got {type(input_ids).__name__}")
@@ -192,6 +195,9 @@ def _check_generate_args(
         raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
     if num_samples < 1:
         raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if isinstance(prefill_batch_size, bool) or not isinstance(prefill_batch_size, int) or prefill_batch_size < 1:
+        raise ValueError(f"prefill_batch_size must be an integer >= 1 (prompts per prefill forward), got "
+                         f"{prefill_batch_size!r}")
     mask = attention_mask.bool()
     if bool((mask.sum(dim=1) == 0).any()):
         raise ValueError("attention_mask has a row with no real token: every prompt needs at least one token")
@@ -203,6 +209,9 @@ def _check_generate_args(
         shortest = int(mask.sum(dim=1).min())
         if shortest < compressor.min_prompt_length:
             name = "SnapKV" if isinstance(compressor, SnapKV) else type(compressor).__name__
+            # A paper-mode budget too small for the prompt explains itself; else it is SnapKV's window.
+            resolve_budget(compressor.budget, mask.sum(dim=1), max_new_tokens, compressor.min_budget,
+                           type(compressor).__name__, compressor.budget_mode)
             raise ValueError(
                 f"a prompt of {shortest} tokens is shorter than the {name} observation window "
                 f"({compressor.min_prompt_length}); lower the window or filter short prompts"
@@ -215,6 +224,36 @@ def _check_generate_args(
             f"input_ids hold token ids in [{int(used.min())}, {int(used.max())}] but the model embeds only ids "
             f"[0, {vocab_size}): the tokenizer does not belong to the model"
         )
+
+
+def prefill(model: torch.nn.Module, cache: BudgetedCache, input_ids: torch.Tensor, prefill_batch_size: int):
+    """Prefill ``input_ids`` into ``cache`` in micro-batches of prompts; each is compressed before the next runs.
+
+    Args:
+        model: The causal LM (lit_smd attention).
+        cache: A fresh `BudgetedCache` built for these prompts.
+        input_ids: ``[B, P]`` left-padded prompts.
+        prefill_batch_size: Prompts per forward; the leading pad columns a micro-batch shares are skipped.
+
+    Returns:
+        ``[B, V]`` next-token logits after each prompt.
+    """
+    logits = []
+    # A "prepared" 4-D mask, so transformers builds none (for sliding-window models it would build [m, 1, W, W]):
+    # the budgeted cache masks by logical position itself.
+    no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=input_ids.device)
+    for start in range(0, input_ids.shape[0], prefill_batch_size):
+        batch = cache.begin_prefill(start, min(start + prefill_batch_size, input_ids.shape[0]))
+        width = batch.positions.shape[1]
+        out = model(
+            input_ids=input_ids[batch.start : batch.stop, -width:], attention_mask=no_mask,
+            position_ids=batch.positions.clamp(min=0), cache=cache, budgeted_cache=cache, use_cache=True,
+            logits_to_keep=1,
+        )
+        logits.append(out.logits[:, -1])
+        del out
+    cache.end_prefill()
+    return torch.cat(logits)
 
 
 @torch.no_grad()
@@ -232,6 +271,7 @@ def generate(
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
+    prefill_batch_size: int = 1,
 ) -> Rollout:
     """Sample completions with a (possibly compressed) KV cache.
 
@@ -251,7 +291,11 @@ def generate(
             prompt ``i``. The prefill runs once per prompt.
         eos_token_id: Token id(s) that end a completion.
         pad_token_id: Fills completions after EOS (default: the first EOS id, else 0).
-        generator: Random generator on the model's device; seeds the sampling.
+        generator: Random generator on the model's device; seeds the sampling and `RandomEviction`.
+        prefill_batch_size: Prompts prefilled per forward. Each micro-batch is compressed into the cache before
+            the next runs, so the prefill's activation peak is that of ``prefill_batch_size`` prompts; the default
+            (1) gives the smallest peak and skips every pad column. Larger values batch short prompts (faster on
+            GPUs) at the price of a larger peak.
 
     Returns:
         A `Rollout` with ``B * num_samples`` rows.
@@ -261,27 +305,23 @@ def generate(
         TypeError: The model does not support transformers' attention interface.
     """
     _check_generate_args(
-        model, input_ids, attention_mask, compressor, max_new_tokens, temperature, top_p, top_k, num_samples
+        model, input_ids, attention_mask, compressor, max_new_tokens, temperature, top_p, top_k, num_samples,
+        prefill_batch_size,
     )
     eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     pad_id = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     device = input_ids.device
     prompt_mask = attention_mask.bool()
-    cache = BudgetedCache(model.config.num_hidden_layers, compressor, prompt_mask, max_new_tokens, num_samples)
-    positions = cache.prompt_positions.clamp(min=0)  # [B, P] logical positions for RoPE
+    cache = BudgetedCache(
+        model.config.num_hidden_layers, compressor, prompt_mask, max_new_tokens, num_samples, generator=generator
+    )
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
-    # A "prepared" 4-D mask, so transformers builds none (for sliding-window models it would build [B, 1, P, P]):
-    # the budgeted cache masks by logical position itself.
-    no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)
+    no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)  # as in `prefill`: transformers builds no mask
 
     was_training = model.training
     model.eval()
     try:
-        out = model(
-            input_ids=input_ids, attention_mask=no_mask, position_ids=positions, cache=cache, budgeted_cache=cache,
-            use_cache=True, logits_to_keep=1,
-        )
-        logits = out.logits[:, -1].repeat_interleave(num_samples, dim=0)  # [B*S, V]
+        logits = prefill(model, cache, input_ids, prefill_batch_size).repeat_interleave(num_samples, dim=0)  # [B*S, V]
         rows = logits.shape[0]
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         tokens, logprobs, masks = [], [], []

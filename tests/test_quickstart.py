@@ -83,7 +83,8 @@ def test_both_stages_log_to_tensorboard_save_their_config_and_resume(tmp_path):
         "mismatch/k3_kl", "time/learner_s", "time/rollout_s", "rollout/reward_mean", "rollout/reward_std",
         "rollout/advantage_mean", "rollout/advantage_std", "rollout/advantage_abs_max",
         "rollout/zero_std_group_fraction", "rollout/completion_length_mean", "rollout/completion_length_max",
-        "rollout/truncated_fraction", "kv/visible_fraction",
+        "rollout/truncated_fraction", "kv/visible_fraction", "kv/visible_fraction/prompt",
+        "kv/visible_fraction/decode",
     }  # fmt: skip
     assert documented <= scalars(grpo_dir).keys(), documented - scalars(grpo_dir).keys()
 

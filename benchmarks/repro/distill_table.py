@@ -228,7 +228,7 @@ def compressed_start_accuracy(out: Path, results: dict[str, dict[str, Any]]) -> 
     from lit_smd.models import load_causal_lm, load_tokenizer
 
     torch.set_num_threads(1)
-    compressor = _instantiate(compressor_spec("snapkv", 0.5, 0))
+    compressor = _instantiate(compressor_spec("snapkv", 0.5))
     for name, result in results.items():
         meta = result["cell"]["meta"]
         if meta.get("kind") == "warmup":  # the SMD table's cached "before RL" evaluation of the same policy

@@ -88,23 +88,25 @@ def _configs(paths: list[Path]) -> list[str]:
     return [arg for path in paths for arg in ("--config", str(path))]
 
 
-def compressor_spec(selection: str, budget: float, seed: int) -> dict[str, Any]:
-    """The ``class_path`` / ``init_args`` of a selection at a budget (tiny prompts: 2-token windows, 1 sink)."""
+def compressor_spec(selection: str, budget: float) -> dict[str, Any]:
+    """The ``class_path`` / ``init_args`` of a selection at a budget (tiny prompts: 2-token windows, 1 sink).
+
+    ``budget_mode="fixed"`` (``floor(budget * (prompt + max_new_tokens))`` keys throughout): the tables in
+    docs/results were measured with that meaning, before the papers' per-step budget became the default.
+    """
+    mode = {"budget": budget, "budget_mode": "fixed"}
     if selection == "snapkv":
         return {
             "class_path": "lit_smd.kv.PrefillThenDecode",
             "init_args": {
-                "prefill": {
-                    "class_path": "lit_smd.kv.SnapKV", "init_args": {"budget": budget, "window": 2, "kernel": 3}
-                },
-                "decode": {"class_path": "lit_smd.kv.H2O", "init_args": {"budget": budget, "window": 2}},
+                "prefill": {"class_path": "lit_smd.kv.SnapKV", "init_args": {**mode, "window": 2, "kernel": 3}},
+                "decode": {"class_path": "lit_smd.kv.H2O", "init_args": {**mode, "window": 2}},
             },
         }
     if selection == "recent":
-        return {"class_path": "lit_smd.kv.RecentWindow", "init_args": {"budget": budget, "sinks": 1}}
+        return {"class_path": "lit_smd.kv.RecentWindow", "init_args": {**mode, "sinks": 1}}
     if selection == "random":
-        return {"class_path": "lit_smd.kv.RandomEviction", "init_args": {"budget": budget, "window": 2, "sinks": 1,
-                                                                        "seed": seed}}  # fmt: skip
+        return {"class_path": "lit_smd.kv.RandomEviction", "init_args": {**mode, "window": 2, "sinks": 1}}
     raise ValueError(f"selection must be one of {SELECTIONS}, got {selection!r}")
 
 
@@ -220,7 +222,7 @@ def compressed_cell(
     compressed cache (``eval``) and densely (``eval_dense``)."""
     tag = f"{mode}-lam{lam}" if mode == "smd" else mode
     name = name or f"{tag}-{selection}-b{budget}-seed{seed}"
-    compressor = json.dumps(compressor_spec(selection, budget, seed))
+    compressor = json.dumps(compressor_spec(selection, budget))
     overrides = ["--model.init_args.mode", mode, "--model.init_args.compressor", compressor,
                  "--model.init_args.kl_coef", str(lam)]  # fmt: skip
     meta = {"mode": mode, "lambda": lam if mode == "smd" else None, "budget": budget, "selection": selection,
@@ -260,7 +262,7 @@ def initial_accuracy(
             if policy is None:
                 path = warmup_policy(out, seed)
                 policy, tokenizer = load_causal_lm(str(path), dtype=torch.float32), load_tokenizer(str(path))
-            compressor = _instantiate(compressor_spec(selection, budget, seed))
+            compressor = _instantiate(compressor_spec(selection, budget))
             found[key] = evaluate_policy(policy, tokenizer, EvalSettings(**EVAL), compressor=compressor, seed=seed)
             write_atomic(cache, json.dumps({"eval": EVAL, "results": found}, indent=1))
     return found

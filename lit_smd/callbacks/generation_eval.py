@@ -113,6 +113,8 @@ class GenerationEval(Callback):
         num_text_samples: Completions shown as TensorBoard text per loop (0 = none).
         seed: Seed of the sampling.
         model_attribute: The module attribute holding the causal LM to sample from.
+        prefill_batch_size: Prompts prefilled per forward (`lit_smd.rollout.generate`): the prefill's memory peak is
+            that of this many prompts.
 
     Raises:
         MisconfigurationException: In ``setup``: the module has no ``model_attribute``, ``use_compressor`` without a
@@ -140,6 +142,7 @@ class GenerationEval(Callback):
         num_text_samples: int = 4,
         seed: int = 0,
         model_attribute: str = "policy",
+        prefill_batch_size: int = 1,
     ) -> None:
         if isinstance(metric, str):
             if metric not in _METRIC_REWARDS:
@@ -161,6 +164,8 @@ class GenerationEval(Callback):
             raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
         if num_text_samples < 0:
             raise ValueError(f"num_text_samples must be >= 0, got {num_text_samples}")
+        if isinstance(prefill_batch_size, bool) or not isinstance(prefill_batch_size, int) or prefill_batch_size < 1:
+            raise ValueError(f"prefill_batch_size must be an integer >= 1, got {prefill_batch_size!r}")
         self.scorer = WeightedRewards({self.metric_name: reward})
         self.num_samples = num_samples
         self.success_threshold = success_threshold
@@ -174,6 +179,7 @@ class GenerationEval(Callback):
         self.num_text_samples = num_text_samples
         self.seed = seed
         self.model_attribute = model_attribute
+        self.prefill_batch_size = prefill_batch_size
         self._metrics: dict[str, Metric] = {}
         self._samples: list[str] = []
         self._tokenizer: PreTrainedTokenizerBase | None = None
@@ -307,6 +313,7 @@ class GenerationEval(Callback):
                 eos_token_id=self._eos_ids(policy, templated),
                 pad_token_id=self._tokenizer.pad_token_id,
                 generator=torch.Generator(device=device).manual_seed(seed),
+                prefill_batch_size=self.prefill_batch_size,
             )
             ids = [
                 row[mask].tolist()

@@ -41,9 +41,10 @@ rollout begins and ends.
 
 Handled inputs, each with a clear error or a logged count:
     - prompts longer than ``max_prompt_tokens`` (by default what the policy's context leaves after
-      ``max_new_tokens``), empty prompts, and prompts shorter than the compressor needs (SnapKV's observation window):
-      dropped at setup / dataloader creation, counts logged (``num_filtered``); ``max_new_tokens`` past the context or
-      a rollout cache larger than the free memory: ``ValueError`` with the numbers, before the first rollout;
+      ``max_new_tokens``), empty prompts, and prompts shorter than the compressor needs (SnapKV's observation window;
+      with a fractional ``"paper"`` budget, ``floor(r * P)`` must reach the protected window + sinks): dropped at
+      setup / dataloader creation, counts logged (``num_filtered``); ``max_new_tokens`` past the context or a rollout
+      cache larger than the free memory: ``ValueError`` with the numbers, before the first rollout;
     - a reward function that raises: ``RuntimeError`` naming the function (the original error chained); a NaN / inf
       reward, a value overflowing float32 or a wrong number of values: ``ValueError``, a string or mapping instead
       of a list: ``TypeError``, no answer within ``reward_timeout``: ``TimeoutError``, each naming the function;
@@ -131,6 +132,14 @@ class RolloutDataModule(ResumableDataModule):
         test_dataset: Evaluation prompts of `test_dataloader`, as ``val_dataset``.
         test_dataset_kwargs: As ``val_dataset_kwargs``, for ``test_dataset``.
         eval_batch_size: Prompts per validation / test batch.
+        prefill_batch_size: Prompts prefilled per forward in a rollout (`lit_smd.rollout.generate`); each
+            micro-batch is compressed before the next, so the rollout's memory peak is one micro-batch's prefill
+            plus the budgeted cache of all rows.
+
+    Logged with each rollout batch (besides the learner's ``rollout/`` keys): ``time/generate_s``,
+    ``time/reward_s``, ``time/rollout_s`` and, for compressed rollouts, ``kv/visible_fraction/prompt`` (share of
+    the prompt's keys kept after the prefill) and ``kv/visible_fraction/decode`` (share of the keys seen so far
+    that the decode steps' queries could see; `lit_smd.kv.ShadowMask.visible_fraction_by_phase`).
     """
 
     def __init__(
@@ -158,6 +167,7 @@ class RolloutDataModule(ResumableDataModule):
         test_dataset: str | Dataset | None = None,
         test_dataset_kwargs: dict[str, Any] | None = None,
         eval_batch_size: int = 8,
+        prefill_batch_size: int = 1,
     ) -> None:
         super().__init__()
         for name, value in (
@@ -166,6 +176,7 @@ class RolloutDataModule(ResumableDataModule):
             ("max_new_tokens", max_new_tokens),
             ("num_iterations", num_iterations),
             ("eval_batch_size", eval_batch_size),
+            ("prefill_batch_size", prefill_batch_size),
         ):
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
@@ -221,6 +232,7 @@ class RolloutDataModule(ResumableDataModule):
             "test": (test_dataset, dict(test_dataset_kwargs or {})),
         }
         self.eval_batch_size = eval_batch_size
+        self.prefill_batch_size = prefill_batch_size
         self.prompts: Dataset | None = None
         self.prompt_lengths: list[int] = []
         self.num_filtered: dict[str, int] = {}
@@ -416,6 +428,7 @@ class RolloutDataModule(ResumableDataModule):
             eos_token_id=self._eos_ids(policy),
             pad_token_id=self.tokenizer.pad_token_id,
             generator=generator,
+            prefill_batch_size=self.prefill_batch_size,
         )
         _synchronize(device)
         generated = time.perf_counter()
@@ -439,6 +452,9 @@ class RolloutDataModule(ResumableDataModule):
                 "time/rollout_s": done - start,
             }
         )
+        if rollout.shadow_mask is not None:
+            phases = rollout.shadow_mask.visible_fraction_by_phase(rollout.prompt_lengths, rollout.completion_mask)
+            experience.metrics.update({f"kv/visible_fraction/{phase}": float(value) for phase, value in phases.items()})
         return experience
 
     def score(self, rollout: Rollout, rows: dict[str, list]) -> Any:

@@ -10,10 +10,19 @@ token, pads excluded. While it runs, each layer records ``evict_steps[b, h, j]``
 position that can no longer see key ``j`` (`lit_smd.kv.shadow.NEVER` if it never left the cache). That is
 the shadow mask the learner replays.
 
-Timing: the prefill is dense (every prompt query sees every earlier prompt key); the prefill policy then
-keeps at most the budget, and prompt keys it drops get ``e = prompt_length`` (the first decode query).
-A decode query first writes its key, attends over the cache (at most ``budget + 1`` keys), and then the
-decode policy evicts one key if the cache is over budget; that key gets ``e = position + 1``.
+Timing: the prefill is dense (every prompt query sees every earlier prompt key) and runs in micro-batches of
+prompts (`BudgetedCache.begin_prefill`); the prefill policy then keeps at most the budget, and prompt keys it drops
+get ``e = prompt_length`` (the first decode query). A decode query first writes its key, attends over the cache
+(at most ``budget + 1`` keys), and then the decode policy evicts one key if the cache is over budget; that key gets
+``e = position + 1``.
+
+Bookkeeping. How many keys a sequence holds after each step does not depend on the layer, the head or the
+attention numerics (one key in per step, at most one out), so the cache derives it from the budget schedule
+(`lit_smd.kv.compressors.budget_at`) once per step: which rows must evict, and (host side) whether any row must, so
+a step where no row is over budget skips the policy entirely. Occupied slots always form a prefix
+``[0, kept)`` plus at most one hole, the slot of the key evicted in the previous step; the next key goes into that
+hole, or at the end. Per step, layer and row, the work is a constant number of ops over the ``capacity`` slots
+(the budget plus one), with no loop over rows.
 
 The attention math of the rollout lives here too, because eviction needs the exact attention probabilities
 of the rollout: `BudgetedLayer.attend_prefill` and `BudgetedLayer.attend_decode` are called by the registered
@@ -23,17 +32,18 @@ H2O's column sums), computed strip by strip with no ``P x P`` buffer, are in `li
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from lit_smd.kv.compressors import Compressor, resolve_budget
+from lit_smd.kv.compressors import Compressor, budget_at, resolve_budget
 from lit_smd.kv.prefill import PrefillContext
 from lit_smd.kv.prefill import softmax_dtype as _softmax_dtype
 from lit_smd.kv.shadow import NEVER, ShadowMask
 
-__all__ = ["BudgetedCache", "BudgetedLayer", "DecodeState", "PrefillContext"]
+__all__ = ["BudgetedCache", "BudgetedLayer", "DecodeState", "PrefillContext", "PromptBatch"]
 
 
 @dataclass
@@ -45,13 +55,53 @@ class DecodeState:
         accumulated: ``[B, H_kv, C]`` attention accumulated by each slot's key (zeros unless the policy
             accumulates attention).
         newest: ``[B]`` logical position of the current query.
-        generator: Generator for randomised policies.
+        generator: Generator for randomised policies (the rollout's; None = torch's default generator).
     """
 
     positions: torch.Tensor
     accumulated: torch.Tensor
     newest: torch.Tensor
-    generator: torch.Generator
+    generator: torch.Generator | None
+
+
+@dataclass
+class PromptBatch:
+    """The prompts of one prefill micro-batch (prompts ``start:stop`` of the cache, leading pad columns trimmed).
+
+    Attributes:
+        start: First prompt of the micro-batch.
+        stop: One past its last prompt.
+        positions: ``[m, W]`` logical positions of the micro-batch's columns (``-1`` for pads).
+        lengths: ``[m]`` real prompt lengths.
+        pad_left: ``[m]`` pad columns in front of each prompt (in the trimmed width ``W``).
+        keep: ``[m]`` prompt keys each prompt keeps (its prefill budget, at most its length).
+        rows: The cache rows of the micro-batch's samples (``start * S : stop * S``).
+    """
+
+    start: int
+    stop: int
+    positions: torch.Tensor
+    lengths: torch.Tensor
+    pad_left: torch.Tensor
+    keep: torch.Tensor
+    rows: slice
+
+
+@dataclass
+class _DecodeStep:
+    """What one decode step means for every layer (computed once per step by `BudgetedCache.decode_step`).
+
+    Attributes:
+        seen: Columns processed before the step.
+        newest: ``[R]`` logical position of the step's query.
+        written: ``[R]`` keys each row holds once the step's key is written.
+        over: ``[R]`` bool, rows that evict one key after attending; None when no row does (no policy work).
+    """
+
+    seen: int
+    newest: torch.Tensor
+    written: torch.Tensor
+    over: torch.Tensor | None
 
 
 class BudgetedLayer(CacheLayerMixin):
@@ -65,7 +115,7 @@ class BudgetedLayer(CacheLayerMixin):
         super().__init__()
         self.cache = cache
         self.layer_idx = layer_idx
-        self.seen = 0  # columns processed so far (prompt width, then one per decode step)
+        self.seen = 0  # columns processed so far (prompt width after the prefill, then one per decode step)
         self._prompt_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- CacheLayerMixin -------------------------------------------------------------------------------------
@@ -79,6 +129,7 @@ class BudgetedLayer(CacheLayerMixin):
             rows, kv_heads, cache.capacity, dtype=_softmax_dtype(key_states.dtype), device=device
         )
         self.evict_steps = torch.full((rows, kv_heads, cache.max_length), NEVER, dtype=torch.int32, device=device)
+        self.free_slot = torch.zeros(rows, kv_heads, 1, dtype=torch.long, device=device)  # where the next key goes
         self.device = device
         self.is_initialized = True
 
@@ -90,13 +141,14 @@ class BudgetedLayer(CacheLayerMixin):
             return key_states, value_states
         if key_states.shape[2] != 1:
             raise NotImplementedError("BudgetedCache decodes one token per forward (no chunked prefill)")
-        slot = (self.positions < 0).to(torch.int8).argmax(dim=-1, keepdim=True)  # [B, Hkv, 1] first free slot
+        slot = self.free_slot  # [B, Hkv, 1]
         index = slot[..., None].expand(-1, -1, 1, key_states.shape[-1])
         self.keys.scatter_(2, index, key_states)
         self.values.scatter_(2, index, value_states)
-        newest = self.cache.decode_position(self.seen)  # [B]
+        newest = self.cache.decode_step(self.seen).newest  # [B]
         self.positions.scatter_(2, slot, newest[:, None, None].expand_as(slot))
-        self.accumulated.scatter_(2, slot, torch.zeros_like(slot, dtype=self.accumulated.dtype))
+        if self.cache.accumulates:
+            self.accumulated.scatter_(2, slot, torch.zeros_like(slot, dtype=self.accumulated.dtype))
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
@@ -110,62 +162,64 @@ class BudgetedLayer(CacheLayerMixin):
 
     # -- rollout attention -----------------------------------------------------------------------------------
     def attend_prefill(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
-        """Dense prefill attention, then prompt selection into the slots. Returns ``[B, P, H_q, D]``.
+        """Dense prefill attention of the current micro-batch, then prompt selection into its slots.
 
-        When the policy accumulates attention (H2O), its column sums come from the same pass as the output.
+        When the policy accumulates attention (H2O), its column sums come from the same pass as the output (and
+        SnapKV's window rows with them). Returns ``[m, W, H_q, D]``.
         """
         key, value = self._prompt_kv
         self._prompt_kv = None
-        cache = self.cache
+        cache, batch = self.cache, self.cache.prefill_batch
         policy = cache.compressor
         ctx = PrefillContext(
-            query, key, value, scaling, cache.prompt_positions, cache.prompt_lengths - 1, sliding_window,
-            cache.generator,
+            query, key, value, scaling, batch.positions, batch.lengths - 1, sliding_window, cache.generator
         )
         needs_sums = policy is not None and policy.accumulates_attention
-        out = ctx.attend(column_sums=needs_sums, window=getattr(policy, "observation_window", 0))
+        out = ctx.attend(column_sums=needs_sums, window=getattr(policy, "observation_window", 0))  # [m, W, Hq, D]
         self._select_prompt(ctx)
-        self.seen = key.shape[2]
         return out.contiguous()
 
     def _select_prompt(self, ctx: PrefillContext) -> None:
-        cache, key, value = self.cache, ctx.key, ctx.value
-        batch, kv_heads, width, _ = key.shape
-        positions = cache.prompt_positions  # [B, P]
+        """Keep each prompt's ``batch.keep`` best-scoring keys in slots ``[0, keep)``, in position order."""
+        cache, batch = self.cache, self.cache.prefill_batch
+        key, value = ctx.key, ctx.value
+        prompts, kv_heads, width, _ = key.shape
+        positions = batch.positions  # [m, W]
         real = positions >= 0
         policy = cache.compressor
         if policy is None:
-            scores = torch.zeros(batch, kv_heads, width, device=key.device)
+            scores = torch.zeros(prompts, kv_heads, width, device=key.device)
         else:
-            scores = policy.prefill_scores(ctx).float()  # [B, Hkv, P]
+            scores = policy.prefill_scores(ctx).float()  # [m, Hkv, W]
         scores = scores.masked_fill(~real[:, None, :], float("-inf"))
-        keep_count = torch.minimum(cache.prompt_budgets, cache.prompt_lengths)  # [B]
-        kept = min(width, cache.capacity)
-        ranked = scores.argsort(dim=-1, descending=True, stable=True)[..., :kept]  # [B, Hkv, K]
-        rank = torch.arange(kept, device=key.device)
-        keep = (rank[None, None, :] < keep_count[:, None, None]).expand(-1, kv_heads, -1)  # [B, Hkv, K]
-        columns, order = ranked.sort(dim=-1)  # slots in position order (cosmetic; positions are explicit)
-        keep = keep.gather(-1, order)
+        kept = int(batch.keep.max())
+        ranked = scores.argsort(dim=-1, descending=True, stable=True)[..., :kept]  # [m, Hkv, K] best first
+        keep = (torch.arange(kept, device=key.device) < batch.keep[:, None])[:, None, :]  # [m, 1, K]
+        # Kept columns first, in position order: occupied slots form the prefix [0, keep).
+        order = torch.where(keep, ranked, ranked + width).argsort(dim=-1)
+        columns = ranked.gather(-1, order)
+        keep = keep.expand(-1, kv_heads, -1).gather(-1, order)
 
-        samples = cache.num_samples
+        rows, samples = batch.rows, cache.num_samples
         gather_kv = columns[..., None].expand(-1, -1, -1, key.shape[-1])
-        self.keys[:, :, :kept] = key.gather(2, gather_kv).repeat_interleave(samples, dim=0)
-        self.values[:, :, :kept] = value.gather(2, gather_kv).repeat_interleave(samples, dim=0)
+        self.keys[rows, :, :kept] = key.gather(2, gather_kv).repeat_interleave(samples, dim=0)
+        self.values[rows, :, :kept] = value.gather(2, gather_kv).repeat_interleave(samples, dim=0)
         slot_pos = positions[:, None, :].expand(-1, kv_heads, -1).gather(-1, columns).masked_fill(~keep, -1)
-        self.positions[:, :, :kept] = slot_pos.repeat_interleave(samples, dim=0)
+        self.positions[rows, :, :kept] = slot_pos.repeat_interleave(samples, dim=0)
         if policy is not None and policy.accumulates_attention:
             sums = ctx.attention_column_sums().gather(-1, columns).masked_fill(~keep, 0.0)
-            self.accumulated[:, :, :kept] = sums.to(self.accumulated.dtype).repeat_interleave(samples, dim=0)
+            self.accumulated[rows, :, :kept] = sums.to(self.accumulated.dtype).repeat_interleave(samples, dim=0)
+        self.free_slot[rows] = batch.keep.repeat_interleave(samples)[:, None, None]
 
         # Eviction steps of the dropped prompt keys, in logical positions: e = prompt length.
-        kept_columns = torch.zeros(batch, kv_heads, width, dtype=torch.bool, device=key.device)
+        kept_columns = torch.zeros(prompts, kv_heads, width, dtype=torch.bool, device=key.device)
         kept_columns.scatter_(-1, columns, keep)
-        dropped = real[:, None, :] & ~kept_columns  # [B, Hkv, P] by column
-        steps = torch.where(dropped, cache.prompt_lengths[:, None, None].to(torch.int32), NEVER)
-        logical = torch.arange(width, device=key.device)[None, :] + cache.pad_left[:, None]  # column of logical l
+        dropped = real[:, None, :] & ~kept_columns  # [m, Hkv, W] by column
+        steps = torch.where(dropped, batch.lengths[:, None, None].to(torch.int32), NEVER)
+        logical = torch.arange(width, device=key.device)[None, :] + batch.pad_left[:, None]  # column of logical l
         by_logical = steps.gather(-1, logical.clamp(max=width - 1)[:, None, :].expand(-1, kv_heads, -1))
         by_logical = by_logical.masked_fill(~(logical < width)[:, None, :], NEVER)
-        self.evict_steps[:, :, :width] = by_logical.repeat_interleave(samples, dim=0)
+        self.evict_steps[rows, :, :width] = by_logical.repeat_interleave(samples, dim=0)
 
     def attend_decode(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
         """One decode query over the slots, then at most one eviction per (sequence, KV head).
@@ -175,41 +229,47 @@ class BudgetedLayer(CacheLayerMixin):
         rows, q_heads, _, dim = query.shape
         kv_heads = self.keys.shape[1]
         dtype = _softmax_dtype(query.dtype)
-        newest = self.cache.decode_position(self.seen)  # [B]
+        step = self.cache.decode_step(self.seen)
         grouped = query.reshape(rows, kv_heads, q_heads // kv_heads, dim)  # [B, Hkv, G, D]
         scores = torch.matmul(grouped, self.keys.transpose(-1, -2)).to(dtype) * scaling  # [B, Hkv, G, C]
         visible = self.positions >= 0  # [B, Hkv, C]
         if sliding_window is not None:
-            visible &= (newest[:, None, None] - self.positions) < sliding_window
+            visible &= (step.newest[:, None, None] - self.positions) < sliding_window
         scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
         probs = torch.softmax(scores, dim=-1)  # [B, Hkv, G, C]
         out = torch.matmul(probs.to(self.values.dtype), self.values)  # [B, Hkv, G, D]
         self.seen += 1
         policy = self.cache.compressor
-        if policy is not None and policy.evicts_during_decode:
-            if policy.accumulates_attention:
-                self.accumulated += probs.sum(dim=2)
-            self._evict(policy, newest)
+        if policy is not None and policy.accumulates_attention:
+            self.accumulated += probs.sum(dim=2)
+        if step.over is None:  # no row is over budget this step: the key stays, the next goes after it
+            self.free_slot = step.written[:, None, None].expand(-1, kv_heads, 1)
+        else:
+            self._evict(policy, step)
         return out.reshape(rows, 1, q_heads, dim)
 
-    def _evict(self, policy: Compressor, newest: torch.Tensor) -> None:
-        valid = self.positions >= 0  # [B, Hkv, C]
-        over = valid.sum(dim=-1) > self.cache.budgets[:, None]  # [B, Hkv]
-        state = DecodeState(self.positions, self.accumulated, newest, self.cache.generator)
-        scores = policy.decode_scores(state).masked_fill(~valid, float("inf"))
+    def _evict(self, policy: Compressor, step: _DecodeStep) -> None:
+        state = DecodeState(self.positions, self.accumulated, step.newest, self.cache.generator)
+        scores = policy.decode_scores(state).masked_fill(self.positions < 0, float("inf"))  # [B, Hkv, C]
         victim = scores.argmin(dim=-1, keepdim=True)  # [B, Hkv, 1]
-        victim_pos = self.positions.gather(-1, victim).clamp(min=0)  # [B, Hkv, 1]
+        over = step.over[:, None, None]  # [B, 1, 1]
+        victim_pos = self.positions.gather(-1, victim)  # [B, Hkv, 1] (a real key: free slots scored +inf)
         old_steps = self.evict_steps.gather(-1, victim_pos)
-        new_steps = torch.where(over[..., None], (newest + 1).to(torch.int32)[:, None, None], old_steps)
+        new_steps = torch.where(over, (step.newest + 1).to(torch.int32)[:, None, None], old_steps)
         self.evict_steps.scatter_(-1, victim_pos, new_steps)
-        self.positions.scatter_(-1, victim, torch.where(over[..., None], -1, self.positions.gather(-1, victim)))
+        self.positions.scatter_(-1, victim, victim_pos.masked_fill(over, -1))
+        self.free_slot = torch.where(over, victim, step.written[:, None, None])
 
 
 class BudgetedCache(Cache):
-    """A transformers `Cache` with a fixed per-sequence budget, in-place eviction and a shadow-mask record.
+    """A transformers `Cache` with a per-sequence budget, in-place eviction and a shadow-mask record.
 
     Built by `lit_smd.rollout.generate`; pass it to the model as ``cache=`` *and* as the ``budgeted_cache=``
-    keyword (the registered attention function reads it from there).
+    keyword (the registered attention function reads it from there). The prefill runs in micro-batches of
+    prompts: `begin_prefill` before each micro-batch's forward, `end_prefill` after the last.
+
+    The slot buffers are allocated once, with ``capacity`` = the most keys any row holds at any step (its largest
+    budget, plus the slot of the key written before an eviction).
 
     Args:
         num_layers: Decoder layers of the model.
@@ -217,6 +277,10 @@ class BudgetedCache(Cache):
         prompt_mask: ``[B, P]`` bool, left-padded prompts (one row per prompt, before sampling).
         max_new_tokens: Decode steps the cache must hold.
         num_samples: Completions per prompt; the prefill runs once per prompt and its result is shared.
+        generator: The rollout's random generator; randomised policies draw from it (None = torch's default).
+
+    Warns:
+        UserWarning: The compressor evicts nothing in this rollout (its budget covers every key of every row).
     """
 
     def __init__(
@@ -226,35 +290,122 @@ class BudgetedCache(Cache):
         prompt_mask: torch.Tensor,
         max_new_tokens: int,
         num_samples: int = 1,
+        generator: torch.Generator | None = None,
     ) -> None:
         self.compressor = compressor
         self.num_samples = num_samples
+        self.max_new_tokens = max_new_tokens
         self.prompt_width = prompt_mask.shape[1]
         self.prompt_lengths = prompt_mask.sum(dim=1)  # [B]
         self.pad_left = self.prompt_width - self.prompt_lengths  # [B]
         columns = torch.arange(self.prompt_width, device=prompt_mask.device)
         self.prompt_positions = torch.where(prompt_mask, columns[None, :] - self.pad_left[:, None], -1)  # [B, P]
         self.max_length = self.prompt_width + max_new_tokens
+        self.evicts = compressor is not None and compressor.evicts_during_decode
+        self.accumulates = compressor is not None and compressor.accumulates_attention
+        # The schedule is tiny ([B] per step) and read on the host every step: keep it on the CPU.
+        self._lengths_cpu = self.prompt_lengths.cpu()
         if compressor is None:
             self.prompt_budgets = self.prompt_lengths
-            self.capacity = self.max_length
         else:
             self.prompt_budgets = resolve_budget(
                 compressor.budget, self.prompt_lengths, max_new_tokens, compressor.min_budget,
-                type(compressor).__name__,
+                type(compressor).__name__, compressor.budget_mode,
             )
-            most = int(self.prompt_budgets.max())
-            if compressor.evicts_during_decode:
-                self.capacity = min(most + 1, self.max_length)
-            else:
-                self.capacity = min(most, self.prompt_width) + max_new_tokens
-        self.budgets = self.prompt_budgets.repeat_interleave(num_samples)  # [B * S]
+        self._keep_cpu = torch.minimum(self.prompt_budgets.cpu(), self._lengths_cpu)  # [B] kept after the prefill
+        self.prompt_keep = self._keep_cpu.to(prompt_mask.device)
+        last = max(max_new_tokens - 2, 0)  # keys held before the last decode step's write (N - 1 decode steps)
+        held = self._kept_after(last) + (1 if max_new_tokens > 1 else 0)
+        self.capacity = int(torch.maximum(held, self._keep_cpu).max())
         self.row_prompt_lengths = self.prompt_lengths.repeat_interleave(num_samples)  # [B * S]
         self.num_rows = prompt_mask.shape[0] * num_samples
-        seed = 0 if compressor is None else compressor.seed
-        self.generator = torch.Generator(device=prompt_mask.device).manual_seed(seed)
+        self.generator = generator
+        self.prefill_batch: PromptBatch | None = None
+        self._step: _DecodeStep | None = None
+        if compressor is not None:
+            self._warn_if_nothing_evicted()
         super().__init__(layers=[BudgetedLayer(self, i) for i in range(num_layers)])
 
+    # -- budget schedule ---------------------------------------------------------------------------------------
+    def _budget_cpu(self, decoded: int) -> torch.Tensor:
+        """``[B]`` budgets once ``decoded`` decode keys were written (no limit for policies that do not evict)."""
+        policy = self.compressor
+        return budget_at(policy.budget, policy.budget_mode, self._lengths_cpu, self.max_new_tokens, decoded)
+
+    def _kept_after(self, decoded: int) -> torch.Tensor:
+        """``[B]`` keys held after ``decoded`` decode steps (evictions included).
+
+        ``kept_t = min(kept_{t-1} + 1, budget_t)`` with ``kept_0 = min(budget_0, P)``; budgets grow by at most one
+        key per step, so this is ``min(kept_0 + t, budget_t)``.
+        """
+        grown = self._keep_cpu + decoded
+        return torch.minimum(grown, self._budget_cpu(decoded)) if self.evicts else grown
+
+    def _warn_if_nothing_evicted(self) -> None:
+        keys = self._lengths_cpu + max(self.max_new_tokens - 1, 0)  # keys written by the end (last token not fed)
+        kept = self._kept_after(max(self.max_new_tokens - 1, 0))
+        if bool((self._keep_cpu == self._lengths_cpu).all()) and bool((kept == keys).all()):
+            policy = self.compressor
+            fixed = isinstance(policy.budget, float) and policy.budget_mode == "fixed"
+            hint = "budget_mode='paper' (a fraction of the keys seen so far)" if fixed else "a smaller budget"
+            warnings.warn(
+                f"{policy!r} evicts nothing in this rollout: prompts of {int(self._lengths_cpu.min())} to "
+                f"{int(self._lengths_cpu.max())} tokens with max_new_tokens={self.max_new_tokens} fit its budget at "
+                f"every step, so the rollout is dense; use {hint}",
+                UserWarning,
+                stacklevel=3,
+            )
+
+    def decode_step(self, seen: int) -> _DecodeStep:
+        """The decode step after ``seen`` processed columns, shared by all layers (computed by the first)."""
+        if self._step is not None and self._step.seen == seen:
+            return self._step
+        decoded = seen - self.prompt_width + 1  # decode keys written once this step's key is in
+        device = self.prompt_lengths.device
+        written = self._kept_after(decoded - 1) + 1  # [B] on the CPU
+        over = None
+        if self.evicts:
+            over_cpu = written > self._budget_cpu(decoded)
+            if bool(over_cpu.any()):
+                over = over_cpu.repeat_interleave(self.num_samples).to(device)
+        self._step = _DecodeStep(
+            seen=seen,
+            newest=self.decode_position(seen),
+            written=written.repeat_interleave(self.num_samples).to(device),
+            over=over,
+        )
+        return self._step
+
+    # -- prefill -----------------------------------------------------------------------------------------------
+    def begin_prefill(self, start: int, stop: int) -> PromptBatch:
+        """Select prompts ``start:stop`` for the next prefill forward; returns them with leading pads trimmed.
+
+        Feed the model ``input_ids[start:stop, -batch.positions.shape[1]:]`` with ``position_ids =
+        batch.positions.clamp(min=0)``.
+        """
+        if self.layers[0].seen:
+            raise RuntimeError("the prefill of this BudgetedCache has ended; decode steps follow")
+        lengths = self.prompt_lengths[start:stop]
+        trim = self.prompt_width - int(lengths.max())  # pad columns every prompt of the micro-batch has
+        samples = self.num_samples
+        self.prefill_batch = PromptBatch(
+            start=start,
+            stop=stop,
+            positions=self.prompt_positions[start:stop, trim:],
+            lengths=lengths,
+            pad_left=self.pad_left[start:stop] - trim,
+            keep=self.prompt_keep[start:stop],
+            rows=slice(start * samples, stop * samples),
+        )
+        return self.prefill_batch
+
+    def end_prefill(self) -> None:
+        """Every prompt has been prefilled: decode steps follow."""
+        self.prefill_batch = None
+        for layer in self.layers:
+            layer.seen = self.prompt_width
+
+    # -- reading -----------------------------------------------------------------------------------------------
     def decode_position(self, seen: int) -> torch.Tensor:
         """Logical position ``[B * S]`` of the decode query that follows ``seen`` processed columns."""
         return self.row_prompt_lengths + (seen - self.prompt_width)

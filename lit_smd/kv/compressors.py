@@ -11,7 +11,8 @@ bookkeeping (slots, eviction steps, budgets) itself. Higher score = keep; ``+inf
   attention mass it has accumulated (summed over the query heads of its GQA group), per sequence and per KV
   head; during decoding the lowest-scoring key outside the recent window is evicted.
 * `RecentWindow` (StreamingLLM, Xiao et al. 2023, arXiv 2309.17453): attention sinks plus the most recent keys.
-* `RandomEviction`: sinks + recent window + uniformly random keys (seeded): the control policy.
+* `RandomEviction`: sinks + recent window + uniformly random keys (drawn from the rollout's generator): the control
+  policy.
 * `PrefillThenDecode`: a prefill policy followed by a decode policy (e.g. SnapKV then H2O), so that both the
   prompt and the generation stay within budget.
 
@@ -28,11 +29,18 @@ Departures from the papers, all deliberate:
   ``budget + 1`` keys (itself included) and a key dropped at the end of step ``s`` can no longer be seen
   from position ``s + 1`` on.
 
-Budgets. ``budget`` is either an absolute token count (``int``) or a fraction of the context (``float`` in
-(0, 1]). A fraction ``f`` means, for each sequence, ``floor(f * (prompt_length + max_new_tokens))`` keys per
-layer and KV head: the share of the keys that a dense cache would hold at the end of the rollout. Pads are
-not counted. A resolved budget below the policy's minimum (its protected keys) is an error, raised before
-any model work.
+Budgets. ``budget`` is either an absolute token count (``int``: at most that many keys per layer and KV head, at
+every step) or a fraction ``r`` of the context (``float`` in (0, 1]), read according to ``budget_mode``:
+
+* ``"paper"`` (default, the papers' meaning; SMD's reference compresses the prompt to ``r * P``): the prefill keeps
+  ``floor(r * P)`` of a prompt's ``P`` keys, and after decode step ``t`` at most ``floor(r * (P + t))`` of the
+  ``P + t`` keys seen so far stay in the cache (it grows by one key about every ``1 / r`` steps).
+* ``"fixed"``: a constant ``floor(r * (P + max_new_tokens))`` keys, the share of the keys that a dense cache would
+  hold at the end of the rollout (short rollouts may then evict nothing).
+
+An ``int`` budget ignores ``budget_mode``. Pads are not counted. A budget below the policy's minimum (its protected
+keys) is an error, raised before any model work; in ``"paper"`` mode this makes prompts shorter than
+``min_prompt_length`` invalid (the rollout DataModule filters them).
 """
 
 from __future__ import annotations
@@ -48,20 +56,29 @@ if TYPE_CHECKING:
     from lit_smd.kv.cache import DecodeState, PrefillContext
 
 __all__ = [
+    "BUDGET_MODES",
     "COMPRESSORS",
     "H2O",
+    "BudgetMode",
     "Compressor",
     "PrefillThenDecode",
     "RandomEviction",
     "RecentWindow",
     "SnapKV",
+    "budget_at",
     "resolve_budget",
 ]
 
 INF = float("inf")
 
 
-def _check_budget(budget: int | float, minimum: int, owner: str) -> None:
+BudgetMode = Literal["paper", "fixed"]
+"""How a fractional budget is read: see the module docstring."""
+
+BUDGET_MODES = ("paper", "fixed")
+
+
+def _check_budget(budget: int | float, budget_mode: str, minimum: int, owner: str) -> None:
     if isinstance(budget, bool) or not isinstance(budget, (int, float)):
         raise ValueError(f"{owner}.budget must be an int token count or a float fraction, got {budget!r}")
     if isinstance(budget, float):
@@ -72,6 +89,8 @@ def _check_budget(budget: int | float, minimum: int, owner: str) -> None:
             f"{owner}.budget={budget} is smaller than the keys the policy always keeps; "
             f"it must be >= {minimum} (window + sinks)"
         )
+    if budget_mode not in BUDGET_MODES:
+        raise ValueError(f"{owner}.budget_mode must be one of {BUDGET_MODES}, got {budget_mode!r}")
 
 
 def _check_nonnegative(owner: str, **fields: int) -> None:
@@ -80,18 +99,58 @@ def _check_nonnegative(owner: str, **fields: int) -> None:
             raise ValueError(f"{owner}.{name} must be an integer >= 0, got {value!r}")
 
 
-def resolve_budget(
-    budget: int | float, prompt_lengths: torch.Tensor, max_new_tokens: int, minimum: int, owner: str = "compressor"
+def _shortest_prompt(budget: int | float, budget_mode: str, minimum: int) -> int:
+    """Shortest prompt whose ``"paper"``-mode prefill budget ``floor(budget * P)`` reaches ``minimum`` (else 1)."""
+    if not isinstance(budget, float) or budget_mode != "paper":
+        return 1
+    length = max(1, math.ceil(minimum / budget))  # then correct for rounding, with the arithmetic the cache uses
+    while math.floor(budget * length) < minimum:
+        length += 1
+    while length > 1 and math.floor(budget * (length - 1)) >= minimum:
+        length -= 1
+    return length
+
+
+def budget_at(
+    budget: int | float, budget_mode: str, prompt_lengths: torch.Tensor, max_new_tokens: int, decoded: int
 ) -> torch.Tensor:
-    """Per-sequence budget in keys per layer and KV head.
+    """Keys each sequence may keep once ``decoded`` decode keys were added to its prompt (``0`` = after the prefill).
 
     Args:
-        budget: Absolute token count, or a fraction of each sequence's full context
-            (``prompt_length + max_new_tokens``), rounded down.
+        budget: Absolute token count, or a fraction (see the module docstring).
+        budget_mode: ``"paper"`` or ``"fixed"`` (ignored for an ``int`` budget).
+        prompt_lengths: Real (unpadded) prompt lengths ``[B]``.
+        max_new_tokens: Generation length of the rollout.
+        decoded: Decode steps so far.
+
+    Returns:
+        Long tensor ``[B]`` on the device of ``prompt_lengths``.
+    """
+    if not isinstance(budget, float):
+        return torch.full_like(prompt_lengths, int(budget))
+    seen = prompt_lengths.double() + (decoded if budget_mode == "paper" else max_new_tokens)
+    return torch.floor(budget * seen).long()
+
+
+def resolve_budget(
+    budget: int | float,
+    prompt_lengths: torch.Tensor,
+    max_new_tokens: int,
+    minimum: int,
+    owner: str = "compressor",
+    budget_mode: str = "paper",
+) -> torch.Tensor:
+    """Per-sequence budget after the prefill, in keys per layer and KV head, checked against the policy's minimum.
+
+    Budgets never shrink while decoding, so this is the smallest budget of the rollout.
+
+    Args:
+        budget: Absolute token count, or a fraction (see the module docstring).
         prompt_lengths: Real (unpadded) prompt lengths, shape ``[B]``.
         max_new_tokens: Generation length of the rollout.
         minimum: Smallest valid budget for the policy.
         owner: Name used in error messages.
+        budget_mode: ``"paper"`` or ``"fixed"``.
 
     Returns:
         Long tensor ``[B]``.
@@ -99,17 +158,22 @@ def resolve_budget(
     Raises:
         ValueError: A fractional budget resolves below ``minimum`` for some sequence.
     """
-    if isinstance(budget, float):
-        resolved = torch.floor(budget * (prompt_lengths.double() + max_new_tokens)).long()
-        if bool((resolved < minimum).any()):
-            shortest = int(prompt_lengths.min())
+    resolved = budget_at(budget, budget_mode, prompt_lengths, max_new_tokens, 0)
+    if isinstance(budget, float) and bool((resolved < minimum).any()):
+        shortest = int(prompt_lengths.min())
+        if budget_mode == "paper":
             raise ValueError(
-                f"{owner}.budget={budget} resolves to {int(resolved.min())} keys for a prompt of {shortest} tokens "
-                f"with max_new_tokens={max_new_tokens}, below the minimum of {minimum} (window + sinks); "
-                "use a larger fraction or an absolute budget"
+                f"{owner}.budget={budget} (budget_mode='paper') keeps {int(resolved.min())} keys of a prompt of "
+                f"{shortest} tokens, below the minimum of {minimum} (window + sinks); prompts need at least "
+                f"{_shortest_prompt(budget, budget_mode, minimum)} tokens: filter shorter ones, or use a larger "
+                "fraction, smaller window/sinks, or an absolute budget"
             )
-        return resolved
-    return torch.full_like(prompt_lengths, int(budget))
+        raise ValueError(
+            f"{owner}.budget={budget} resolves to {int(resolved.min())} keys for a prompt of {shortest} tokens "
+            f"with max_new_tokens={max_new_tokens}, below the minimum of {minimum} (window + sinks); "
+            "use a larger fraction or an absolute budget"
+        )
+    return resolved
 
 
 def _protect(scores: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor, sinks: int, window: int):
@@ -136,6 +200,7 @@ class Compressor(Protocol):
     """
 
     budget: int | float
+    budget_mode: BudgetMode
 
     @property
     def min_budget(self) -> int: ...
@@ -151,11 +216,14 @@ class SnapKV:
     """SnapKV prefill compression (arXiv 2404.14469).
 
     Args:
-        budget: Keys kept per layer and KV head (int), or a fraction of the context (float in (0, 1]).
+        budget: Keys kept per layer and KV head (int), or a fraction (float in (0, 1]): of the prompt by default,
+            as in the paper (SnapKV alone compresses the prompt only; the cache then grows while decoding).
         window: Observation window: the last ``window`` prompt queries vote, and are always kept.
         kernel: Size of the 1-D pooling kernel along the key axis (odd).
         pooling: ``"avg"`` (the paper's default) or ``"max"``.
         sinks: Leading prompt tokens always kept (0 in the paper; 4 protects attention sinks on real models).
+        budget_mode: How a fraction is read: ``"paper"`` (``floor(r * P)`` prompt keys) or ``"fixed"``
+            (``floor(r * (P + max_new_tokens))``); see the module docstring.
     """
 
     budget: int | float
@@ -163,10 +231,10 @@ class SnapKV:
     kernel: int = 5
     pooling: Literal["avg", "max"] = "avg"
     sinks: int = 0
+    budget_mode: BudgetMode = "paper"
 
     evicts_during_decode: ClassVar[bool] = False
     accumulates_attention: ClassVar[bool] = False
-    seed: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
         _check_nonnegative("SnapKV", window=self.window, sinks=self.sinks)
@@ -176,7 +244,7 @@ class SnapKV:
             raise ValueError(f"SnapKV.kernel must be an odd integer >= 1, got {self.kernel!r}")
         if self.pooling not in ("avg", "max"):
             raise ValueError(f"SnapKV.pooling must be 'avg' or 'max', got {self.pooling!r}")
-        _check_budget(self.budget, self.min_budget, "SnapKV")
+        _check_budget(self.budget, self.budget_mode, self.min_budget, "SnapKV")
 
     @property
     def min_budget(self) -> int:
@@ -184,8 +252,8 @@ class SnapKV:
 
     @property
     def min_prompt_length(self) -> int:
-        """SnapKV needs a full observation window inside every prompt."""
-        return self.window
+        """A full observation window inside every prompt, and (paper mode) a prompt budget >= `min_budget`."""
+        return max(self.window, _shortest_prompt(self.budget, self.budget_mode, self.min_budget))
 
     @property
     def observation_window(self) -> int:
@@ -211,32 +279,37 @@ class H2O:
     """Heavy-hitter oracle (arXiv 2306.14048): accumulated attention + a recent window.
 
     Args:
-        budget: Keys kept per layer and KV head (int), or a fraction of the context (float in (0, 1]); the
-            heavy hitters are ``budget - window`` of them.
+        budget: Keys kept per layer and KV head (int), or a fraction (float in (0, 1]) of the keys seen so far;
+            the heavy hitters are ``budget - window`` of them.
         window: Most recent keys always kept (the current one included).
         sinks: Leading tokens always kept (0 in the paper).
         normalize: Divide each key's accumulated attention by the number of queries that saw it (kvpress'
             ObservedAttention) instead of the paper's raw sums, which favour old keys.
+        budget_mode: How a fraction is read: ``"paper"`` (``floor(r * (P + t))``) or ``"fixed"``
+            (``floor(r * (P + max_new_tokens))``); see the module docstring.
     """
 
     budget: int | float
     window: int = 32
     sinks: int = 0
     normalize: bool = False
+    budget_mode: BudgetMode = "paper"
 
     evicts_during_decode: ClassVar[bool] = True
     accumulates_attention: ClassVar[bool] = True
-    seed: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
         _check_nonnegative("H2O", window=self.window, sinks=self.sinks)
-        _check_budget(self.budget, self.min_budget, "H2O")
+        _check_budget(self.budget, self.budget_mode, self.min_budget, "H2O")
 
     @property
     def min_budget(self) -> int:
         return max(self.window + self.sinks, 1)
 
-    min_prompt_length: ClassVar[int] = 1
+    @property
+    def min_prompt_length(self) -> int:
+        """In paper mode, the shortest prompt whose budget reaches `min_budget`."""
+        return _shortest_prompt(self.budget, self.budget_mode, self.min_budget)
 
     def _heavy(self, accumulated: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
         if not self.normalize:
@@ -260,25 +333,30 @@ class RecentWindow:
     """StreamingLLM: attention sinks plus the most recent keys, at their original positions.
 
     Args:
-        budget: Keys kept per layer and KV head (int), or a fraction of the context (float in (0, 1]).
+        budget: Keys kept per layer and KV head (int), or a fraction (float in (0, 1]) of the keys seen so far.
         sinks: Leading tokens always kept (4 in the paper).
+        budget_mode: How a fraction is read (``"paper"`` or ``"fixed"``; see the module docstring).
     """
 
     budget: int | float
     sinks: int = 4
+    budget_mode: BudgetMode = "paper"
 
     evicts_during_decode: ClassVar[bool] = True
     accumulates_attention: ClassVar[bool] = False
-    min_prompt_length: ClassVar[int] = 1
-    seed: ClassVar[int] = 0
 
     def __post_init__(self) -> None:
         _check_nonnegative("RecentWindow", sinks=self.sinks)
-        _check_budget(self.budget, self.min_budget, "RecentWindow")
+        _check_budget(self.budget, self.budget_mode, self.min_budget, "RecentWindow")
 
     @property
     def min_budget(self) -> int:
         return self.sinks + 1
+
+    @property
+    def min_prompt_length(self) -> int:
+        """In paper mode, the shortest prompt whose budget reaches `min_budget`."""
+        return _shortest_prompt(self.budget, self.budget_mode, self.min_budget)
 
     def _scores(self, positions: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
         return _protect(positions.to(torch.float32), positions, newest, self.sinks, 1)
@@ -295,31 +373,38 @@ class RecentWindow:
 class RandomEviction:
     """Control policy: sinks + recent window + uniformly random keys.
 
+    The random keys are drawn from the generator of the `lit_smd.rollout.generate` call (the sampling generator),
+    so a seeded rollout is reproducible and different calls evict differently.
+
     Args:
-        budget: Keys kept per layer and KV head (int), or a fraction of the context (float in (0, 1]).
+        budget: Keys kept per layer and KV head (int), or a fraction (float in (0, 1]) of the keys seen so far.
         window: Most recent keys always kept (the current one included).
         sinks: Leading tokens always kept.
-        seed: Seed of the eviction generator (independent of the sampling generator).
+        budget_mode: How a fraction is read (``"paper"`` or ``"fixed"``; see the module docstring).
     """
 
     budget: int | float
     window: int = 32
     sinks: int = 4
-    seed: int = 0
+    budget_mode: BudgetMode = "paper"
 
     evicts_during_decode: ClassVar[bool] = True
     accumulates_attention: ClassVar[bool] = False
-    min_prompt_length: ClassVar[int] = 1
 
     def __post_init__(self) -> None:
         _check_nonnegative("RandomEviction", window=self.window, sinks=self.sinks)
-        _check_budget(self.budget, self.min_budget, "RandomEviction")
+        _check_budget(self.budget, self.budget_mode, self.min_budget, "RandomEviction")
 
     @property
     def min_budget(self) -> int:
         return max(self.window + self.sinks, 1)
 
-    def _scores(self, positions: torch.Tensor, newest: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    @property
+    def min_prompt_length(self) -> int:
+        """In paper mode, the shortest prompt whose budget reaches `min_budget`."""
+        return _shortest_prompt(self.budget, self.budget_mode, self.min_budget)
+
+    def _scores(self, positions: torch.Tensor, newest: torch.Tensor, generator: torch.Generator | None):
         scores = torch.rand(positions.shape, generator=generator, device=positions.device)
         return _protect(scores, positions, newest, self.sinks, self.window)
 
@@ -361,10 +446,19 @@ class PrefillThenDecode:
                 "PrefillThenDecode.prefill.budget and PrefillThenDecode.decode.budget must be equal, got "
                 f"{self.prefill.budget!r} and {self.decode.budget!r}"
             )
+        if self.prefill.budget_mode != self.decode.budget_mode:
+            raise ValueError(
+                "PrefillThenDecode.prefill.budget_mode and PrefillThenDecode.decode.budget_mode must be equal, got "
+                f"{self.prefill.budget_mode!r} and {self.decode.budget_mode!r}"
+            )
 
     @property
     def budget(self) -> int | float:
         return self.decode.budget
+
+    @property
+    def budget_mode(self) -> BudgetMode:
+        return self.decode.budget_mode
 
     @property
     def min_budget(self) -> int:
@@ -381,10 +475,6 @@ class PrefillThenDecode:
     @property
     def observation_window(self) -> int:
         return getattr(self.prefill, "observation_window", 0)
-
-    @property
-    def seed(self) -> int:
-        return self.decode.seed if isinstance(self.decode, RandomEviction) else self.prefill.seed
 
     def prefill_scores(self, ctx: PrefillContext) -> torch.Tensor:
         return self.prefill.prefill_scores(ctx)

@@ -199,7 +199,7 @@ class PrefillContext:
         positions: ``[B, P]`` logical positions of the columns (``-1`` for pads).
         newest: ``[B]`` logical position of each sequence's last prompt token.
         sliding_window: The layer's sliding window, or None.
-        generator: Generator for randomised policies.
+        generator: Generator for randomised policies (the rollout's; None = torch's default generator).
     """
 
     query: torch.Tensor
@@ -209,7 +209,7 @@ class PrefillContext:
     positions: torch.Tensor
     newest: torch.Tensor
     sliding_window: int | None
-    generator: torch.Generator
+    generator: torch.Generator | None
     _window: torch.Tensor | None = field(default=None, init=False, repr=False)
     _column_sums: torch.Tensor | None = field(default=None, init=False, repr=False)
 

@@ -109,6 +109,31 @@ class ShadowMask:
             return torch.tensor(1.0)
         return (share * weights).sum() / weights.sum()
 
+    def visible_fraction_by_phase(
+        self, prompt_lengths: torch.Tensor, completion_mask: torch.Tensor
+    ) -> dict[str, torch.Tensor]:
+        """Visible share of the keys per rollout phase, averaged over layers, KV heads and rows.
+
+        * ``"prompt"``: share of each prompt's keys kept by the prefill (those with ``evict_steps > P``, i.e.
+          visible to the first decode query; later evictions are the decode phase's).
+        * ``"decode"``: `visible_fraction` over the completion tokens sampled by decode queries (all but the first,
+          which the dense prefill samples).
+
+        Args:
+            prompt_lengths: ``[B]`` real prompt lengths.
+            completion_mask: ``[B, N]`` True on real completion tokens.
+
+        Returns:
+            ``{"prompt": 0-d tensor, "decode": 0-d tensor}``, each in [0, 1].
+        """
+        columns = torch.arange(self.length, device=self.evict_steps.device)
+        in_prompt = columns[None, :] < prompt_lengths[:, None]  # [B, T]
+        kept = (self.evict_steps.long() > prompt_lengths[None, :, None, None]) & in_prompt[None, :, None, :]
+        prompt = (kept.sum(-1).double() / prompt_lengths[None, :, None].double()).mean()
+        decode_mask = completion_mask.clone()
+        decode_mask[:, :1] = False
+        return {"prompt": prompt, "decode": self.visible_fraction(prompt_lengths, decode_mask)}
+
 
 @dataclass
 class AttentionPlan:

@@ -45,6 +45,7 @@ ROLLOUT_ARGUMENT_ERRORS = [
     ("negative max_new_tokens", {"max_new_tokens": -1}, r"max_new_tokens must be an integer >= 1, got -1"),
     ("zero num_iterations", {"num_iterations": 0}, r"num_iterations must be an integer >= 1, got 0"),
     ("zero eval_batch_size", {"eval_batch_size": 0}, r"eval_batch_size must be an integer >= 1, got 0"),
+    ("zero prefill_batch_size", {"prefill_batch_size": 0}, r"prefill_batch_size must be an integer >= 1, got 0"),
     ("minibatch not dividing", {"minibatch_size": 3},
      r"minibatch_size=3 must divide prompts_per_step \* num_generations = 64"),
     ("zero top_p", {"top_p": 0.0}, r"top_p must be in \(0, 1\], got 0.0"),
@@ -205,7 +206,8 @@ def test_unusable_prompts_are_dropped_with_a_logged_count(tokenizer, tiny_policy
     with pytest.raises(ValueError, match=r"0 usable prompts cannot fill one step of prompts_per_step=2 on 1 rank"):
         ExperienceStream(data, learner)
     assert data.num_filtered["too_short"] == 2
-    assert "dropped 2 prompts shorter than the compressor's 8 tokens" in caplog.text
+    # SnapKV(0.5, window=8) keeps floor(0.5 * P) prompt keys, at least its window: P >= 16
+    assert "dropped 2 prompts shorter than the compressor's 16 tokens" in caplog.text
 
 
 # (case, the policy's max_position_embeddings, RolloutDataModule keyword arguments, regex): lengths the policy's

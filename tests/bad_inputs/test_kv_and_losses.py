@@ -135,8 +135,11 @@ GENERATE_ERRORS = [
      r"compressor must be one of lit_smd\.kv\.COMPRESSORS or None, got 'snapkv'"),
     ("prompt shorter than the SnapKV window", {"compressor": SnapKV(16, window=5)},
      r"a prompt of 4 tokens is shorter than the SnapKV observation window \(5\)"),
-    ("fraction budget below the windows", {"compressor": H2O(0.1, window=4)},
+    ("fraction budget below the windows", {"compressor": H2O(0.1, window=4, budget_mode="fixed")},
      r"H2O\.budget=0\.1 resolves to 0 keys for a prompt of 4 tokens with max_new_tokens=2, below the minimum of 4"),
+    ("paper-mode budget below the windows", {"compressor": H2O(0.5, window=4)},
+     r"H2O\.budget=0\.5 \(budget_mode='paper'\) keeps 2 keys of a prompt of 4 tokens, below the minimum of 4 "
+     r"\(window \+ sinks\); prompts need at least 8 tokens"),
 ]  # fmt: skip
 
 

@@ -177,3 +177,5 @@ def test_misconfiguration(module, data, tiny_model_factory):
         GenerationEval(num_samples=2, pass_k=[1, 4])
     with pytest.raises(ValueError, match="temperature"):
         GenerationEval(temperature=0.0)
+    with pytest.raises(ValueError, match="prefill_batch_size must be an integer >= 1, got 0"):
+        GenerationEval(prefill_batch_size=0)

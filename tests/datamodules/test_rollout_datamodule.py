@@ -51,8 +51,13 @@ def test_collect_samples_groups_scores_them_and_times_it(tiny_model_factory, tok
     assert seen["completions"] == tokenizer.batch_decode(seen["ids"], skip_special_tokens=True)
     expected = experience.reward_components["spy"] + 2 * experience.reward_components["digit_share"]
     torch.testing.assert_close(experience.rewards, expected)
-    for key in ("time/generate_s", "time/reward_s", "time/rollout_s", "rollout/reward/spy", "kv/visible_fraction"):
+    for key in ("time/generate_s", "time/reward_s", "time/rollout_s", "rollout/reward/spy", "kv/visible_fraction",
+                "kv/visible_fraction/prompt", "kv/visible_fraction/decode"):
         assert key in experience.metrics
+    phases = experience.rollout.shadow_mask.visible_fraction_by_phase(
+        experience.rollout.prompt_lengths, experience.rollout.completion_mask
+    )
+    assert experience.metrics["kv/visible_fraction/prompt"] == pytest.approx(float(phases["prompt"]))
     assert experience.metrics["time/rollout_s"] >= experience.metrics["time/generate_s"]
 
 

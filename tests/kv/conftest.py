@@ -5,18 +5,20 @@ import pytest
 from lit_smd.kv import COMPRESSORS, H2O, PrefillThenDecode, RandomEviction, RecentWindow, SnapKV
 
 
-def make_compressor(name: str, budget: int | float = 24):
+def make_compressor(name: str, budget: int | float = 24, budget_mode: str = "paper"):
     """A small instance of registry entry ``name`` (tiny windows, so 64-token prompts evict a lot)."""
     if name == "snapkv":
-        return SnapKV(budget, window=8)
+        return SnapKV(budget, window=8, budget_mode=budget_mode)
     if name == "h2o":
-        return H2O(budget, window=4, sinks=1)
+        return H2O(budget, window=4, sinks=1, budget_mode=budget_mode)
     if name == "recent":
-        return RecentWindow(budget, sinks=4)
+        return RecentWindow(budget, sinks=4, budget_mode=budget_mode)
     if name == "random":
-        return RandomEviction(budget, window=4, sinks=2, seed=3)
+        return RandomEviction(budget, window=4, sinks=2, budget_mode=budget_mode)
     if name == "prefill_then_decode":
-        return PrefillThenDecode(SnapKV(budget, window=8), H2O(budget, window=4))
+        return PrefillThenDecode(
+            SnapKV(budget, window=8, budget_mode=budget_mode), H2O(budget, window=4, budget_mode=budget_mode)
+        )
     raise KeyError(f"no test defaults for compressor {name!r}: add them to tests/kv/conftest.py")
 
 

@@ -5,7 +5,7 @@ import torch
 
 from lit_smd.kv import COMPRESSORS, H2O, PrefillThenDecode, RandomEviction, RecentWindow, SnapKV
 from lit_smd.kv.cache import DecodeState
-from lit_smd.kv.compressors import resolve_budget
+from lit_smd.kv.compressors import budget_at, resolve_budget
 
 from .conftest import make_compressor
 
@@ -43,16 +43,37 @@ def test_invalid_fields_name_the_field_and_valid_range(build, match):
         build()
 
 
-def test_fraction_budget_is_share_of_full_context_rounded_down():
+def test_fraction_budget_modes_resolve_as_documented():
     lengths = torch.tensor([64, 51])
-    budgets = resolve_budget(0.5, lengths, max_new_tokens=32, minimum=8)
-    assert budgets.tolist() == [48, 41]  # floor(0.5 * 96), floor(0.5 * 83)
-    assert resolve_budget(24, lengths, 32, minimum=8).tolist() == [24, 24]
+    paper = [budget_at(0.5, "paper", lengths, 32, decoded).tolist() for decoded in range(4)]
+    assert paper == [[32, 25], [32, 26], [33, 26], [33, 27]]  # floor(0.5 * (P + t))
+    assert budget_at(0.5, "fixed", lengths, 32, 3).tolist() == [48, 41]  # floor(0.5 * 96), floor(0.5 * 83)
+    assert budget_at(24, "paper", lengths, 32, 3).tolist() == [24, 24]
+    assert resolve_budget(0.5, lengths, 32, minimum=8).tolist() == [32, 25]
+    assert resolve_budget(0.5, lengths, 32, minimum=8, budget_mode="fixed").tolist() == [48, 41]
 
 
 def test_fraction_resolving_below_minimum_names_budget():
     with pytest.raises(ValueError, match=r"budget=0.1 resolves to 1 keys .* minimum of 12"):
-        resolve_budget(0.1, torch.tensor([10, 40]), max_new_tokens=5, minimum=12)
+        resolve_budget(0.1, torch.tensor([10, 40]), max_new_tokens=5, minimum=12, budget_mode="fixed")
+    with pytest.raises(ValueError, match=r"budget=0.3 \(budget_mode='paper'\) keeps 3 keys .* at least 40 tokens"):
+        resolve_budget(0.3, torch.tensor([10, 40]), max_new_tokens=5, minimum=12)
+
+
+@pytest.mark.parametrize(("budget", "window", "expected"), [(0.5, 4, 8), (0.3, 8, 27), (0.29, 32, 111)])
+def test_paper_mode_min_prompt_length_is_the_shortest_prompt_reaching_the_minimum(budget, window, expected):
+    assert SnapKV(budget, window=window).min_prompt_length == H2O(budget, window=window).min_prompt_length == expected
+    assert int(budget * expected) >= window > int(budget * (expected - 1))
+    assert H2O(budget, window=window, budget_mode="fixed").min_prompt_length == 1
+    assert SnapKV(budget, window=window, budget_mode="fixed").min_prompt_length == window
+    assert H2O(64, window=window).min_prompt_length == 1
+
+
+def test_prefill_then_decode_needs_one_budget_mode():
+    with pytest.raises(ValueError, match="budget_mode must be equal"):
+        PrefillThenDecode(SnapKV(0.5, window=8), H2O(0.5, window=4, budget_mode="fixed"))
+    with pytest.raises(ValueError, match=r"H2O.budget_mode must be one of \('paper', 'fixed'\), got 'prompt'"):
+        H2O(0.5, budget_mode="prompt")
 
 
 def _state(positions, accumulated=None, newest=9):

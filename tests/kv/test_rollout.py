@@ -4,7 +4,7 @@ import pytest
 import torch
 
 from lit_smd.kv import H2O, NEVER, BudgetedCache, RecentWindow, SnapKV
-from lit_smd.rollout import generate, sample_tokens, score
+from lit_smd.rollout import generate, prefill, sample_tokens, score
 
 from .conftest import make_compressor
 from .test_shadow_replay import _prompts
@@ -26,11 +26,12 @@ def _dense_reference(model, ids, mask, new, num_samples, generator, temperature=
 
 
 @pytest.mark.parametrize("compressor", [None, H2O(10_000, window=4), SnapKV(10_000, window=8)])
+@pytest.mark.filterwarnings("ignore:.*evicts nothing in this rollout")
 def test_dense_and_oversized_budget_rollouts_equal_dense_sampling(peaky_model_factory, family, compressor):
     model = peaky_model_factory(family)
     ids, mask = _prompts(model.config.vocab_size)
     rollout = generate(model, ids, mask, compressor=compressor, max_new_tokens=16, num_samples=2,
-                       temperature=0.9, generator=torch.Generator().manual_seed(5))
+                       temperature=0.9, generator=torch.Generator().manual_seed(5), prefill_batch_size=2)
     expected = _dense_reference(model, ids, mask, 16, 2, torch.Generator().manual_seed(5), temperature=0.9)
     assert torch.equal(rollout.completion_ids, expected)
     if compressor is None:
@@ -101,16 +102,15 @@ def test_cache_is_allocated_once_and_evicts_in_place(peaky_model_factory):
     """Slot buffers never move or grow during decoding; their size is capacity x per-token KV size."""
     model = peaky_model_factory("qwen3", dtype=torch.float32)
     ids, mask = _prompts(256)
-    cache = BudgetedCache(model.config.num_hidden_layers, H2O(24, window=4), mask.bool(), 32)
-    positions = cache.prompt_positions.clamp(min=0)
+    cache = BudgetedCache(model.config.num_hidden_layers, H2O(24, window=4), mask.bool(), 33)
     with torch.no_grad():
-        out = model(input_ids=ids, position_ids=positions, cache=cache, budgeted_cache=cache)
+        logits = prefill(model, cache, ids, prefill_batch_size=1)
         pointers = [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers]
         sizes = cache.kv_bytes()
         for step in range(32):
-            token = out.logits[:, -1].argmax(-1, keepdim=True)
+            token = logits.argmax(-1, keepdim=True)
             position = cache.decode_position(cache.prompt_width + step)[:, None]
-            out = model(input_ids=token, position_ids=position, cache=cache, budgeted_cache=cache)
+            logits = model(input_ids=token, position_ids=position, cache=cache, budgeted_cache=cache).logits[:, -1]
             assert [(layer.keys.data_ptr(), layer.values.data_ptr()) for layer in cache.layers] == pointers
             assert cache.kv_bytes() == sizes
             assert all(int((layer.positions >= 0).sum(-1).max()) <= 24 for layer in cache.layers)
@@ -124,9 +124,12 @@ def test_cache_is_allocated_once_and_evicts_in_place(peaky_model_factory):
 
 def test_fraction_budget_memory_ratio_is_about_the_fraction():
     ids, mask = _prompts(256, lengths=(64, 64))
-    cache = BudgetedCache(2, RecentWindow(0.5), mask.bool(), 64)
-    assert cache.capacity == 64 + 1  # floor(0.5 * 128) + 1 slot for the query that triggers an eviction
-    assert cache.capacity / (64 + 64) == pytest.approx(0.5, abs=0.01)
+    # paper: 63 decode steps are fed back; the last one holds floor(0.5 * (64 + 62)) = 63 keys and writes one more
+    # before evicting down to its budget floor(0.5 * 127) = 63
+    assert BudgetedCache(2, RecentWindow(0.5), mask.bool(), 64).capacity == 63 + 1
+    # fixed: floor(0.5 * 128) + 1 slot for the key that triggers an eviction
+    assert BudgetedCache(2, RecentWindow(0.5, budget_mode="fixed"), mask.bool(), 64).capacity == 64 + 1
+    assert BudgetedCache(2, None, mask.bool(), 64).capacity == 64 + 63  # dense: every key that is ever written
 
 
 @pytest.mark.parametrize(
@@ -137,6 +140,7 @@ def test_fraction_budget_memory_ratio_is_about_the_fraction():
         ({"top_p": 0.0}, ValueError, r"top_p must be in \(0, 1\]"),
         ({"top_k": -1}, ValueError, "top_k must be >= 0"),
         ({"num_samples": 0}, ValueError, "num_samples must be >= 1"),
+        ({"prefill_batch_size": 0}, ValueError, "prefill_batch_size must be an integer >= 1"),
         ({"input_ids": torch.zeros(0, 5, dtype=torch.long)}, ValueError, "input_ids is empty"),
         ({"attention_mask": torch.ones(2, 3)}, ValueError, "attention_mask must have the shape of input_ids"),
         ({"attention_mask": torch.tensor([[1] * 10, [1] * 5 + [0] * 5])}, ValueError, "must be left-padded"),
