@@ -121,7 +121,9 @@ def check_rollout_memory(
     parameter = next(model.parameters())
     free = available_memory(parameter.device)
     dtype = parameter.dtype if parameter.is_floating_point() else torch.bfloat16
-    needed = rollout_cache_bytes(model.config, rows, longest_prompt + max_new_tokens, dtype, compressed)
+    # The shadow-mask record spans every position; dense KV slots all but the last sampled token (never fed back).
+    length = longest_prompt + max_new_tokens - (0 if compressed else 1)
+    needed = rollout_cache_bytes(model.config, rows, length, dtype, compressed)
     if free is not None and needed > free:
         what = "shadow-mask record" if compressed else "KV cache"
         raise ValueError(

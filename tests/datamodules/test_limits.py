@@ -11,6 +11,7 @@ from lit_smd.kv import SnapKV
 from lit_smd.kv.cache import BudgetedCache
 from lit_smd.models import build_tiny_model, tiny_config
 from lit_smd.modules import GRPOModule
+from lit_smd.rollout import prefill
 
 
 def zero_reward(prompts, completions, **kwargs):
@@ -33,17 +34,17 @@ def test_the_limit_is_the_context_minus_the_completion_unless_a_smaller_one_is_s
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
 def test_the_dense_estimate_is_what_the_cache_allocates(tokenizer, dtype):
-    """The KV buffers of a dense `BudgetedCache` after the prefill, against the formula (2 * L * H_kv * D per token)."""
+    """The KV buffers of a dense `BudgetedCache` after the prefill, against the formula (2 * L * H_kv * D per token);
+    the cache holds P + N - 1 positions (the last sampled token is never fed back)."""
     model = build_tiny_model("qwen3", tokenizer=tokenizer, dtype=dtype)
     ids = torch.randint(10, 50, (3, 7))
     mask = torch.ones_like(ids, dtype=torch.bool)
     mask[0, :2] = False
     cache = BudgetedCache(model.config.num_hidden_layers, None, mask, max_new_tokens=5)
-    positions = cache.prompt_positions.clamp(min=0)
     with torch.no_grad():
-        model(input_ids=ids, position_ids=positions, cache=cache, budgeted_cache=cache, use_cache=True)
-    assert cache.kv_bytes() == rollout_cache_bytes(model.config, 3, 7 + 5, dtype, compressed=False)
-    by_hand = 3 * 2 * 2 * (7 + 5) * 2 * 16 * torch.empty((), dtype=dtype).element_size()  # rows, L, H_kv, T, k+v, D
+        prefill(model, cache, ids, prefill_batch_size=3)
+    assert cache.kv_bytes() == rollout_cache_bytes(model.config, 3, 7 + 5 - 1, dtype, compressed=False)
+    by_hand = 3 * 2 * 2 * (7 + 5 - 1) * 2 * 16 * torch.empty((), dtype=dtype).element_size()  # rows, L, H_kv, T, k+v, D
     assert cache.kv_bytes() == by_hand
 
 
@@ -53,7 +54,7 @@ def test_the_compressed_estimate_is_the_shadow_record(tokenizer):
     mask = torch.ones_like(ids, dtype=torch.bool)
     cache = BudgetedCache(model.config.num_hidden_layers, SnapKV(4, window=2), mask, max_new_tokens=3)
     with torch.no_grad():
-        model(input_ids=ids, position_ids=cache.prompt_positions, cache=cache, budgeted_cache=cache, use_cache=True)
+        prefill(model, cache, ids, prefill_batch_size=2)
     record = sum(layer.evict_steps.nbytes for layer in cache.layers)
     assert record == rollout_cache_bytes(model.config, 2, 9 + 3, torch.float32, compressed=True)
 
