@@ -17,7 +17,8 @@ The run then ends with `StopRequested` (a ``SystemExit`` with the shell's ``128 
 ``ModelCheckpoint`` folder, else ``<default_root_dir>/checkpoints``) to pass to ``--ckpt_path``. A second SIGINT
 interrupts at once, as without the callback (no checkpoint: the state may be mid-step).
 
-Distributed (DDP): the ranks agree with one all-reduce per step and stop together after the optimizer step;
+It replaces Lightning's own SIGTERM handling while it is installed (that one stops after any batch, mid-accumulation
+too). Distributed (DDP): the ranks agree with one all-reduce per step and stop together after the optimizer step;
 rollouts are not aborted there, since ranks could stop in different places and leave a collective waiting.
 Only the main thread can install signal handlers; elsewhere the callback warns and does nothing.
 """
@@ -137,9 +138,9 @@ class StopOnSignal(Callback):
             signal.Signals(signum).name,
             "; press Ctrl+C again to interrupt at once" if signum == signal.SIGINT else "",
         )
-        previous = self._previous.get(signum)
-        if signum == signal.SIGTERM and callable(previous):
-            previous(signum, frame)  # Lightning's own handler: flags the trainer, forwards to launched processes
+        # Lightning's own SIGTERM handler is not called: it would make the epoch loop raise SIGTERMException after the
+        # batch in progress, also mid-accumulation (losing the accumulated gradients, with no checkpoint). Under DDP
+        # the other ranks learn of the request through the all-reduce in `on_train_batch_end`.
 
     def _on_phase(self, name: str, started: bool) -> None:
         if name != "rollout":

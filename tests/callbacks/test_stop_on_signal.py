@@ -76,8 +76,11 @@ class SendSignal(L.Callback):
         (signal.SIGINT, "train", 2, 2, {}),  # after the backward of step 2: that step's optimizer step completes
         # after the first of two accumulated micro-batches of step 2: the stop waits for the second and the step
         (signal.SIGINT, "train", 2, 2, {"accumulate_grad_batches": 2}),
+        (signal.SIGTERM, "train", 2, 2, {"accumulate_grad_batches": 2}),  # Lightning's own SIGTERM stop must not fire
     ],
-    ids=["SIGTERM in a rollout", "SIGINT in a training step", "SIGINT while accumulating"],
+    ids=[
+        "SIGTERM in a rollout", "SIGINT in a training step", "SIGINT while accumulating", "SIGTERM while accumulating"
+    ],
 )
 def test_a_signal_stops_at_a_safe_point_and_the_run_resumes_exactly(
     signum, during, at, stopped_step, trainer_kwargs, tokenizer, tmp_path
