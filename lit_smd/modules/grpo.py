@@ -96,7 +96,7 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from lit_smd.datamodules.experience import Experience, PhaseListener, report_phase
-from lit_smd.fsdp import fsdp_strategy, shard_model
+from lit_smd.fsdp import fsdp_strategy, is_sharded, shard_model
 from lit_smd.kv import Compressor
 from lit_smd.learner_layout import LEARNER_LAYOUTS, LearnerLayout, LearnerPass, learner_hidden_states
 from lit_smd.lora import LoraSettings, add_lora, check_lora, lora_disabled
@@ -586,10 +586,13 @@ class GRPOModule(LightningModule):
     def _pass(
         self, model: PreTrainedModel, rollout: Rollout, *, shadow: bool, keep_prompt_kv: bool = False
     ) -> LearnerPass:
-        """One teacher-forced pass of ``model`` over ``rollout`` in the configured ``learner_layout``."""
-        return learner_hidden_states(
-            model, rollout, shadow=shadow, layout=self.learner_layout, keep_prompt_kv=keep_prompt_kv
-        )
+        """One teacher-forced pass of ``model`` over ``rollout`` in the configured ``learner_layout``.
+
+        Under FSDP2 the shadow view runs per row: which rows can share a prompt depends on each rank's own shadow
+        masks, and a rank with rows of both kinds would run the decoder (and its per-layer all-gathers) twice.
+        """
+        layout = "per_row" if shadow and is_sharded(model) else self.learner_layout
+        return learner_hidden_states(model, rollout, shadow=shadow, layout=layout, keep_prompt_kv=keep_prompt_kv)
 
     def _token_logprobs(self, model: PreTrainedModel, hidden: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
         lm_head = model.get_output_embeddings()
