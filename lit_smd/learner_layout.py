@@ -127,10 +127,11 @@ def _pack(rollout: Rollout, rows: Tensor, group: Tensor, *, shadow: bool, backen
 
 
 def _run_decoder(model: torch.nn.Module, ids: Tensor, positions: Tensor, plan: PackedPlan) -> Tensor:
-    # An all-ones attention mask lets transformers skip building its own [R, 1, T, T] mask (the plan masks).
-    ones = torch.ones(ids.shape, dtype=torch.bool, device=ids.device)
+    # A "prepared" 4-D mask, so transformers builds none (an all-ones 2-D mask still gets a [R, 1, T, T] one on
+    # sliding-window models): the plan masks.
+    no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=ids.device)
     return model.get_decoder()(
-        input_ids=ids, position_ids=positions, attention_mask=ones, attention_plan=plan, use_cache=False
+        input_ids=ids, position_ids=positions, attention_mask=no_mask, attention_plan=plan, use_cache=False
     ).last_hidden_state  # [R, T, H]
 
 
@@ -167,7 +168,9 @@ class LearnerPass:
         width = plan.prompt_width
         slots = _run_decoder(self._model, packing.ids[:, width:], packing.positions[:, width:], plan.for_slots())
         packed = torch.cat([self._packed_hidden[:, :width].detach(), slots], dim=1)  # [R, T, H]
-        return _assemble(self._rollout, packing, packed, self._fallback, self._model, shadow=False, backend="sdpa")
+        return _assemble(
+            self._rollout, packing, packed, self._fallback, self._model, shadow=False, backend=self._backend
+        )
 
 
 def _assemble(

@@ -226,6 +226,7 @@ def _check_generate_args(
         )
 
 
+@torch.no_grad()
 def prefill(model: torch.nn.Module, cache: BudgetedCache, input_ids: torch.Tensor, prefill_batch_size: int):
     """Prefill ``input_ids`` into ``cache`` in micro-batches of prompts; each is compressed before the next runs.
 

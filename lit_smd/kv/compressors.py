@@ -191,6 +191,11 @@ def _protect(scores: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor
     return scores.masked_fill(protected, INF)
 
 
+def _setstate(self, state: dict) -> None:
+    """Unpickle a compressor; one saved before ``budget_mode`` existed read a fraction as ``"fixed"`` does."""
+    self.__dict__.update({"budget_mode": "fixed", **state})
+
+
 @runtime_checkable
 class Compressor(Protocol):
     """What every compressor provides (`SnapKV`, `H2O`, `RecentWindow`, `RandomEviction`, `PrefillThenDecode`).
@@ -235,6 +240,8 @@ class SnapKV:
 
     evicts_during_decode: ClassVar[bool] = False
     accumulates_attention: ClassVar[bool] = False
+
+    __setstate__ = _setstate
 
     def __post_init__(self) -> None:
         _check_nonnegative("SnapKV", window=self.window, sinks=self.sinks)
@@ -298,6 +305,8 @@ class H2O:
     evicts_during_decode: ClassVar[bool] = True
     accumulates_attention: ClassVar[bool] = True
 
+    __setstate__ = _setstate
+
     def __post_init__(self) -> None:
         _check_nonnegative("H2O", window=self.window, sinks=self.sinks)
         _check_budget(self.budget, self.budget_mode, self.min_budget, "H2O")
@@ -345,6 +354,8 @@ class RecentWindow:
     evicts_during_decode: ClassVar[bool] = True
     accumulates_attention: ClassVar[bool] = False
 
+    __setstate__ = _setstate
+
     def __post_init__(self) -> None:
         _check_nonnegative("RecentWindow", sinks=self.sinks)
         _check_budget(self.budget, self.budget_mode, self.min_budget, "RecentWindow")
@@ -390,6 +401,8 @@ class RandomEviction:
 
     evicts_during_decode: ClassVar[bool] = True
     accumulates_attention: ClassVar[bool] = False
+
+    __setstate__ = _setstate
 
     def __post_init__(self) -> None:
         _check_nonnegative("RandomEviction", window=self.window, sinks=self.sinks)

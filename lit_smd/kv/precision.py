@@ -55,7 +55,9 @@ def keep_float64_norms(model: torch.nn.Module) -> int:
         if not _is_t5_style_rms_norm(module):
             continue
         forward = module.__dict__.get("forward")
-        if not (isinstance(forward, partial) and forward.func is _rms_norm_forward):
+        if forward is None:
             module.forward = partial(_rms_norm_forward, module)  # picklable and deep-copyable with the module
+        elif not (isinstance(forward, partial) and forward.func is _rms_norm_forward):
+            continue  # someone else's instance forward (e.g. accelerate's device hooks): left alone
         count += 1
     return count

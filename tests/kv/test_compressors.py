@@ -118,3 +118,19 @@ def test_random_eviction_never_picks_protected_keys_and_is_seeded():
     assert picks <= {2, 3, 4, 5, 6} and len(picks) > 2
     a, b = _state(positions), _state(positions)
     assert _victim(RandomEviction(8, window=3, sinks=2), a) == _victim(RandomEviction(8, window=3, sinks=2), b)
+
+
+@pytest.mark.parametrize("cls", [SnapKV, H2O, RecentWindow, RandomEviction])
+def test_a_compressor_saved_before_budget_modes_loads_with_the_fixed_meaning(cls):
+    """Checkpoints pickle the compressor; one written before ``budget_mode`` existed read a fraction as "fixed"."""
+    import io
+    import pickle
+
+    old = cls(0.5)
+    del old.__dict__["budget_mode"]  # the fields an old checkpoint pickled
+    buffer = io.BytesIO()
+    torch.save({"compressor": old}, buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)["compressor"]
+    assert type(loaded) is cls and loaded.budget_mode == "fixed" and loaded.budget == 0.5
+    assert pickle.loads(pickle.dumps(cls(0.5))).budget_mode == "paper"  # new ones keep theirs
