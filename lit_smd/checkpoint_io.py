@@ -156,7 +156,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
 class AtomicSaveConfigCallback(SaveConfigCallback):
     """LightningCLI's `SaveConfigCallback`, writing ``config.yaml`` atomically (`lit_smd.atomic.atomic_write_text`).
 
-    Multi-file configs (``multifile=True``) are left to Lightning.
+    Multi-file configs (``multifile=True``) and remote log folders are left to Lightning.
     """
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
@@ -165,6 +165,9 @@ class AtomicSaveConfigCallback(SaveConfigCallback):
             return
         log_dir = trainer.log_dir  # broadcasts the directory
         assert log_dir is not None
+        if not _is_local_file_protocol(log_dir):  # s3://, gs://, ...: Lightning's fsspec path
+            super().setup(trainer, pl_module, stage)
+            return
         config_path = Path(log_dir) / self.config_filename
         if not self.overwrite:
             exists = trainer.strategy.broadcast(config_path.is_file() if trainer.is_global_zero else False)

@@ -20,6 +20,7 @@ import sys
 from typing import Any
 
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import ArgsType, LightningCLI
 
@@ -47,7 +48,7 @@ class LitSmdCLI(LightningCLI):
         warn for each configured model argument that the checkpoint's hyperparameters replace."""
         subcommand = self.config.get("subcommand")
         config = self.config.get(subcommand or "", None)
-        if config is not None and config.get("ckpt_path"):
+        if config is not None and config.get("ckpt_path") and _is_local_file_protocol(config.ckpt_path):
             fallback = fallback_requested(config.get("trainer", {}).get("plugins"))
             config.ckpt_path = str(checked_checkpoint_path(config.ckpt_path, fallback))
         configured = _model_arguments(config.get("model") if config is not None else None)

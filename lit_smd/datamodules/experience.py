@@ -174,7 +174,9 @@ def hf_trainer_state(trainer: Any) -> TrainerState | None:
     if trainer is None:
         return None
     max_steps = trainer.max_steps
-    if max_steps is None or max_steps < 0:
+    if (max_steps is None or max_steps < 0) and trainer.train_dataloader is None:
+        max_steps = 0  # validate / sanity check: estimating would load the training data from an eval hook
+    elif max_steps is None or max_steps < 0:
         try:
             max_steps = int(trainer.estimated_stepping_batches)
         except Exception:  # no dataloader length yet: TrainerState's default

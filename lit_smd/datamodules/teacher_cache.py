@@ -349,9 +349,9 @@ def recover_interrupted_build(path: Path) -> None:
     """Finish what a killed `build_teacher_cache` left next to ``path``: restore the old cache, drop temporaries.
 
     A build swaps a new cache in with one atomic exchange where the OS allows it (Linux), otherwise with two renames
-    (old cache aside to ``.<name>.lit_smd-old-<pid>-<hex>``, new one into place): a build killed between them leaves
-    no cache at ``path``; the set-aside cache is renamed back here. Then the staging / building / set-aside folders of
-    builds whose process is gone are removed (names made by `lit_smd.atomic.temp_name` for ``path`` only).
+    (old cache aside to ``.<name>.lit_smd-old-<host>-<pid>-<hex>``, new one into place): a build killed between them
+    leaves no cache at ``path``; the set-aside cache is renamed back here. Then the staging / building / set-aside
+    folders of builds whose process is gone are removed (names made by `lit_smd.atomic.temp_name` for ``path`` only).
     """
     parent = path.parent
     if not parent.is_dir():
