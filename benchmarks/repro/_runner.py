@@ -21,6 +21,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from lit_smd.atomic import atomic_write_text
+
 HERE = Path(__file__).resolve().parent
 ROOT = HERE.parents[1]
 
@@ -55,17 +57,6 @@ class Cell:
     meta: dict[str, Any] = field(default_factory=dict)
     eval_with: str = "miniature"
     train: bool = True
-
-
-def write_atomic(path: str | Path, text: str) -> None:
-    """Write ``text`` to ``path`` atomically: a temporary file in the same folder, fsync, then ``os.replace``."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as handle:
-        handle.write(text)
-        handle.flush()
-        os.fsync(handle.fileno())
-    os.replace(tmp, path)
 
 
 def read_scalars(log_dir: str | Path) -> dict[str, list[list[float]]]:
@@ -125,7 +116,7 @@ def _run_worker(spec_path: Path) -> None:
         else:
             result["eval"] = evaluate_policy(policy, tokenizer, EvalSettings(**settings), seed=cell.seed)
     result["eval_s"] = time.perf_counter() - start
-    write_atomic(spec["result"], json.dumps(result))
+    atomic_write_text(spec["result"], json.dumps(result))
 
 
 def _settings(cell: dict[str, Any]) -> dict[str, Any]:

@@ -40,7 +40,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 import smd_table  # noqa: E402
-from _runner import ROOT, Cell, run_cells, write_atomic  # noqa: E402
+from _runner import ROOT, Cell, run_cells  # noqa: E402
 from smd_table import (  # noqa: E402
     EVAL,
     SEEDS,
@@ -54,6 +54,8 @@ from smd_table import (  # noqa: E402
     save_figure,
     warmup_policy,
 )
+
+from lit_smd.atomic import atomic_write_text  # noqa: E402
 
 CELLS = {
     "teacher-forward": ("teacher", "forward", ["teacher-forward.yaml"]),
@@ -209,7 +211,7 @@ def summarise(results: dict[str, dict[str, Any]], seeds: list[int], cells: list[
             f"| {_fmt(row['rl_smd_gain'])} |"
         )
     header = (
-        f"Mean over seeds ({len(seeds)} run) ± the half width of the 95% Student-t interval. acc / pass@k / entropy "
+        f"Mean over {len(seeds)} seeds ± the half width of the 95% Student-t interval. acc / pass@k / entropy "
         "/ length: held-out, n samples per prompt at temperature 1 with a dense cache (acc: mean partial credit on "
         "the chain task); curriculum: the length each seed reached and the steps at which it advanced; KL and top-1 "
         "agreement: last 20% of the distillation steps on the training prefixes. After RL: dense GRPO, served "
@@ -240,7 +242,7 @@ def compressed_start_accuracy(out: Path, results: dict[str, dict[str, Any]]) -> 
         tokenizer = load_tokenizer(str(out / "policies" / name))
         settings = EvalSettings(**result["cell"]["eval_settings"])
         result["eval_compressed"] = evaluate_policy(policy, tokenizer, settings, compressor, seed=meta["seed"])
-        write_atomic(out / "cells" / f"{name}.json", json.dumps(result))
+        atomic_write_text(out / "cells" / f"{name}.json", json.dumps(result))
 
 
 def plot_curves(results: dict[str, dict[str, Any]], path: Path, seed: int) -> None:
@@ -292,9 +294,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     compressed_start_accuracy(out, results)
     table, rows = summarise(results, args.seeds, args.cells)
     print(table)
-    write_atomic(out / "distill_table.md", table)
+    atomic_write_text(out / "distill_table.md", table)
     summary = {"task": args.task, "rows": rows, "args": vars(args)}
-    write_atomic(out / "distill_table.json", json.dumps(summary, indent=1))
+    atomic_write_text(out / "distill_table.json", json.dumps(summary, indent=1))
     plot_curves(results, out / "distill_curves.png", args.seeds[0])
     return {"table": table, "rows": rows}
 

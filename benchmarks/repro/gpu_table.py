@@ -30,13 +30,16 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _runner import ROOT, Cell, run_cells, write_atomic  # noqa: E402
+from _runner import ROOT, Cell, run_cells  # noqa: E402
 from smd_table import comparisons_table, paired_differences, summarise  # noqa: E402
+
+from lit_smd.atomic import atomic_write_text  # noqa: E402
 
 TASKS = ("gsm8k", "tldr", "govreport", "hotpotqa")
 MODES = ("dense", "naive", "sparse_rl", "smd")
 COMPRESSIONS = (50, 70)
-"""Percent of the KV cache evicted: the mode files keep 50% and 30% of each sequence's keys."""
+"""Percent of the KV cache evicted: the mode files use the papers' budgets (``budget_mode: paper``) at 0.5 and 0.3:
+``floor(r * P)`` of the prompt's keys after prefill, then at most ``floor(r * (P + t))`` of the keys seen."""
 SEEDS = [0, 1, 2]
 DEFAULT_LAMBDA = 0.1
 
@@ -130,8 +133,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         table, rows = summarise(mine, initial_from_before(mine, task, args.seeds), args.steps or 0)
         found = paired_differences(rows)
         text = f"# {task}\n\n{table}\n{comparisons_table(found)}"
-        write_atomic(out / f"gpu_table_{task}.md", text)
-        write_atomic(out / f"gpu_table_{task}.json", json.dumps({"rows": rows, "comparisons": found}, indent=1))
+        atomic_write_text(out / f"gpu_table_{task}.md", text)
+        atomic_write_text(out / f"gpu_table_{task}.json", json.dumps({"rows": rows, "comparisons": found}, indent=1))
         tables[task] = text
         print(text)
     return {"cells": cells, "tables": tables}

@@ -30,7 +30,9 @@ sys.path.insert(0, str(HERE))
 
 import distill_table  # noqa: E402
 import smd_table  # noqa: E402
-from _runner import ROOT, write_atomic  # noqa: E402
+from _runner import ROOT  # noqa: E402
+
+from lit_smd.atomic import atomic_write_text  # noqa: E402
 
 PUBLISHED = ("smd_table.md", "smd_comparisons.md", "smd_table.json", "distill_table.md", "distill_table.json",
              "distill_curves.png")  # fmt: skip
@@ -76,7 +78,7 @@ def main(argv: list[str] | None = None) -> None:
             shutil.copyfile(out / name, publish / name)
     cells = [json.loads(p.read_text()) for p in (out / "cells").glob("*.json")]
     cell_s = sum(c.get("train_s", 0) + c.get("eval_s", 0) for c in cells)
-    write_atomic(
+    atomic_write_text(
         publish / "run_info.md",
         "# Run information\n\n"
         f"- command: `python benchmarks/repro/run.py {' '.join(argv if argv is not None else sys.argv[1:])}`\n"

@@ -48,8 +48,10 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _runner import ROOT, Cell, run_cells, write_atomic  # noqa: E402
+from _runner import ROOT, Cell, run_cells  # noqa: E402
 from _stats import mean_interval  # noqa: E402
+
+from lit_smd.atomic import atomic_write_text  # noqa: E402
 
 SELECTIONS = ("snapkv", "recent", "random")
 OTHER_SELECTION_BUDGETS = (0.5,)
@@ -264,7 +266,7 @@ def initial_accuracy(
                 policy, tokenizer = load_causal_lm(str(path), dtype=torch.float32), load_tokenizer(str(path))
             compressor = _instantiate(compressor_spec(selection, budget))
             found[key] = evaluate_policy(policy, tokenizer, EvalSettings(**EVAL), compressor=compressor, seed=seed)
-            write_atomic(cache, json.dumps({"eval": EVAL, "results": found}, indent=1))
+            atomic_write_text(cache, json.dumps({"eval": EVAL, "results": found}, indent=1))
     return found
 
 
@@ -543,10 +545,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     found = paired_differences(rows)
     comparisons = comparisons_table(found)
     print(table + "\n" + comparisons)
-    write_atomic(out / "smd_table.md", table)
-    write_atomic(out / "smd_comparisons.md", comparisons)
+    atomic_write_text(out / "smd_table.md", table)
+    atomic_write_text(out / "smd_comparisons.md", comparisons)
     summary = {"task": args.task, "rows": rows, "comparisons": found, "initial": initial, "args": vars(args)}
-    write_atomic(out / "smd_table.json", json.dumps(summary, indent=1))
+    atomic_write_text(out / "smd_table.json", json.dumps(summary, indent=1))
     if results:
         for budget in args.budgets:
             plot_curves(results, out / f"smd_curves_b{budget}.png", budget, args.selections[0])
