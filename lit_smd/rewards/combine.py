@@ -284,29 +284,36 @@ class WeightedRewards:
             finished.add(name)
             return value
 
-        async def everyone() -> dict[str, asyncio.Task]:
+        async def everyone() -> tuple[list[str], dict[str, Any]]:
+            """Names still running at the timeout, and each finished function's value or exception (read on the loop,
+            where the tasks live; a task cancelled at the timeout counts as hung even if it swallows the cancel)."""
             tasks = {name: asyncio.ensure_future(one(name, fn)) for name, fn in functions.items()}
             _, pending = await asyncio.wait(tasks.values(), timeout=self.timeout)
             for task in pending:
                 task.cancel()
-            return tasks
+            outcomes: dict[str, Any] = {}
+            for name, task in tasks.items():
+                if task in pending:
+                    continue
+                if task.cancelled():
+                    outcomes[name] = asyncio.CancelledError(f"{name} was cancelled")
+                else:
+                    outcomes[name] = task.exception() if task.exception() is not None else task.result()
+            return [name for name, task in tasks.items() if task in pending], outcomes
 
         future = asyncio.run_coroutine_threadsafe(everyone(), self._event_loop)
         try:
-            tasks = future.result(None if self.timeout is None else self.timeout + _ASYNC_GRACE_S)
+            hung, outcomes = future.result(None if self.timeout is None else self.timeout + _ASYNC_GRACE_S)
         except concurrent.futures.TimeoutError:
             # A function blocked the loop itself (a synchronous call inside a coroutine); leave that loop behind.
             self._event_loop = None
             raise _timed_out([name for name in functions if name not in finished], self.timeout) from None
-        hung = [name for name, task in tasks.items() if task.cancelled()]
         if hung:
             raise _timed_out(hung, self.timeout)
-        outputs = {}
-        for name, task in tasks.items():
-            if task.exception() is not None:
-                raise _failed(name, task.exception()) from task.exception()
-            outputs[name] = task.result()
-        return outputs
+        for name, outcome in outcomes.items():
+            if isinstance(outcome, BaseException):
+                raise _failed(name, outcome) from outcome
+        return outcomes
 
     def _warn_all_abstained(self, per_function: dict[str, torch.Tensor], kwargs: dict[str, Any]) -> None:
         abstained = torch.stack(list(per_function.values()), dim=1).isnan().all(dim=1)

@@ -113,8 +113,15 @@ def test_hung_functions_time_out_with_their_name() -> None:
         release.wait(30)  # a synchronous wait inside a coroutine freezes the event loop itself
         return [0.0]
 
+    async def swallows_the_cancel(completions: Sequence[str], **kwargs: Any) -> list[float]:
+        try:
+            await asyncio.sleep(30)
+        except asyncio.CancelledError:
+            await asyncio.sleep(0.05)  # cleans up, then returns a value as if nothing happened
+        return [0.0]
+
     try:
-        for fn in (hangs, hangs_async):
+        for fn in (hangs, hangs_async, swallows_the_cancel):
             start = time.perf_counter()
             with pytest.raises(TimeoutError, match=f"\\['{fn.__name__}'\\] did not return within .* 0.2 s"):
                 WeightedRewards([_length_reward, fn], timeout=0.2)(["p"], ["a"])
