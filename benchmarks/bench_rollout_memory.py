@@ -112,7 +112,8 @@ def _setup(args: argparse.Namespace, device: torch.device):
     )
     model = C.build_model("qwen3", config, C.DTYPES[args.dtype], device)
     ensure_attention(model)
-    lengths = [args.prompt_len - (row * args.prompt_len) // 10 for row in range(args.batch)]  # left-padded rows
+    shorter = 0 if args.equal_lengths else args.prompt_len  # each prompt 10% of --prompt-len shorter, left-padded
+    lengths = [args.prompt_len - (row * shorter) // 10 for row in range(args.batch)]
     ids, mask = C.left_padded_prompts(args.vocab_size, lengths, device)
     return model, ids, mask
 
@@ -301,6 +302,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt-len", type=int, default=None, help="default: 8192 on CUDA, 2048 on CPU")
     parser.add_argument("--batch", type=int, default=None, help="prompts (each 10%% shorter, left-padded); "
                         "default 2 on CUDA, 8 on CPU")
+    parser.add_argument("--equal-lengths", action="store_true", help="every prompt --prompt-len tokens (no padding)")
     parser.add_argument("--num-samples", type=int, default=4, help="completions per prompt (prefill shared)")
     parser.add_argument("--new-tokens", type=int, default=None, help="default: 128 on CUDA, 64 on CPU")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.3], help="fractions of the context")
