@@ -73,7 +73,7 @@ from lit_smd.rewards import (
     rouge_l_reward,
 )
 from lit_smd.rollout import generate
-from lit_smd.tasks.chat import ORIGINAL_PROMPT_COLUMN, completions_for_rewards, end_of_turn_token_id
+from lit_smd.tasks.chat import ORIGINAL_PROMPT_COLUMN, completion_stop_ids, completions_for_rewards
 
 __all__ = ["GenerationEval", "MetricName"]
 
@@ -343,11 +343,7 @@ class GenerationEval(Callback):
             self._keep_samples(columns, completions, scores.tolist())
 
     def _eos_ids(self, policy: torch.nn.Module, templated: bool) -> list[int]:
-        configured = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
-        ids = [*self._eos_token_ids, *(configured if isinstance(configured, list) else [configured])]
-        if templated:
-            ids.append(end_of_turn_token_id(self._tokenizer))
-        return sorted({i for i in ids if i is not None})
+        return completion_stop_ids(self._tokenizer, policy, self._eos_token_ids, templated)
 
     def _keep_samples(self, columns: dict[str, list], completions: list[str], scores: list[float]) -> None:
         for prompt_idx, prompt in enumerate(columns["prompt"]):

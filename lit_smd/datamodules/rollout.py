@@ -78,9 +78,9 @@ from lit_smd.rewards.combine import DEFAULT_REWARD_TIMEOUT_S, RewardFn, Weighted
 from lit_smd.rollout import Rollout, generate
 from lit_smd.tasks.chat import (
     ORIGINAL_PROMPT_COLUMN,
+    completion_stop_ids,
     completions_for_rewards,
     dataset_is_conversational,
-    end_of_turn_token_id,
     uses_chat_template,
 )
 from lit_smd.tasks.datasets import check_text_column, prepare_prompts, resolve_dataset
@@ -492,12 +492,8 @@ class RolloutDataModule(ResumableDataModule):
                 yield replace(part, iteration=iteration, metrics=dict(experience.metrics) if first else {})
 
     def _eos_ids(self, policy: torch.nn.Module) -> list[int]:
-        ids = [self.tokenizer.eos_token_id, *self.stop_token_ids]
-        if self.templated:
-            ids.append(end_of_turn_token_id(self.tokenizer))
-        configured = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
-        ids += configured if isinstance(configured, list) else [configured]
-        return sorted({i for i in ids if i is not None})
+        extra = [self.tokenizer.eos_token_id, *self.stop_token_ids]
+        return completion_stop_ids(self.tokenizer, policy, extra, self.templated)
 
 
 class ExperienceStream:

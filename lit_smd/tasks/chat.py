@@ -17,6 +17,7 @@ well as at EOS. Reward functions receive the original prompts (strings or messag
 datasets, conversational completions (`completions_for_rewards`).
 """
 
+import weakref
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -128,6 +129,30 @@ def end_of_turn_token_id(tokenizer: PreTrainedTokenizerBase) -> int | None:
     tail = text[text.rindex(_PROBE) + len(_PROBE) :]
     ids = tokenizer(tail, add_special_tokens=False)["input_ids"] if tail else []
     return ids[0] if ids and ids[0] in tokenizer.all_special_ids else None
+
+
+def completion_stop_ids(
+    tokenizer: PreTrainedTokenizerBase, policy: Any, extra: Sequence[int | None], templated: bool
+) -> list[int]:
+    """The token ids that end a completion, sorted and unique.
+
+    Args:
+        tokenizer: The policy's tokenizer.
+        policy: The sampling model; its ``generation_config.eos_token_id`` (an id or a list) counts too.
+        extra: Ids the caller adds (the tokenizer's EOS, configured stop tokens); ``None`` entries are skipped.
+        templated: Whether prompts went through the chat template: then its end-of-turn token (`end_of_turn_token_id`,
+            found once per tokenizer) ends a completion as well.
+    """
+    configured = getattr(getattr(policy, "generation_config", None), "eos_token_id", None)
+    ids = [*extra, *(configured if isinstance(configured, list) else [configured])]
+    if templated:
+        if tokenizer not in _END_OF_TURN:
+            _END_OF_TURN[tokenizer] = end_of_turn_token_id(tokenizer)
+        ids.append(_END_OF_TURN[tokenizer])
+    return sorted({i for i in ids if i is not None})
+
+
+_END_OF_TURN: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()  # tokenizer -> end-of-turn id (or None)
 
 
 def completions_for_rewards(prompts: Sequence[Any], texts: Sequence[str]) -> list[Any]:

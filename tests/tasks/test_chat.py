@@ -5,7 +5,13 @@ from datasets import Dataset
 
 from lit_smd.models import IM_END_TOKEN, build_tiny_tokenizer
 from lit_smd.tasks import prepare_prompts
-from lit_smd.tasks.chat import end_of_turn_token_id, is_conversational, render_prompts, uses_chat_template
+from lit_smd.tasks.chat import (
+    completion_stop_ids,
+    end_of_turn_token_id,
+    is_conversational,
+    render_prompts,
+    uses_chat_template,
+)
 
 CONVERSATION = [{"role": "system", "content": "Sys."}, {"role": "user", "content": "2+2?"}]
 
@@ -24,6 +30,19 @@ def test_end_of_turn_token_of_the_template():
     assert end_of_turn_token_id(tokenizer) == tokenizer.eos_token_id
     tokenizer.chat_template = None
     assert end_of_turn_token_id(tokenizer) is None
+
+
+def test_completion_stop_ids_merge_the_callers_the_models_and_the_templates():
+    tokenizer = build_tiny_tokenizer()
+    end_of_turn = tokenizer.convert_tokens_to_ids(IM_END_TOKEN)
+
+    class Policy:
+        class generation_config:  # noqa: N801 (stands in for a model's GenerationConfig)
+            eos_token_id = [7, 3]
+
+    assert completion_stop_ids(tokenizer, Policy(), [5, None, 3], templated=False) == [3, 5, 7]
+    assert completion_stop_ids(tokenizer, Policy(), [5], templated=True) == sorted({3, 5, 7, end_of_turn})
+    assert completion_stop_ids(tokenizer, object(), [None], templated=False) == []
 
 
 def test_conversations_are_templated_and_keep_their_system_message():
