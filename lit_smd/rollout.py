@@ -29,6 +29,7 @@ import torch.nn.functional as F
 from lit_smd.kv.attention import ensure_attention
 from lit_smd.kv.cache import BudgetedCache
 from lit_smd.kv.compressors import Compressor, SnapKV, resolve_budget
+from lit_smd.kv.prefill import softmax_dtype
 from lit_smd.kv.shadow import AttentionPlan, ShadowMask
 
 __all__ = ["Rollout", "completion_hidden_states", "generate", "prefill", "sample_tokens", "score"]
@@ -157,7 +158,7 @@ def sample_tokens(
     Returns:
         ``(tokens [B], logprobs [B])``; the log-probs are of the temperature-scaled full distribution.
     """
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    dtype = softmax_dtype(logits.dtype)
     logprobs = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)  # [B, V]
     filtered = logprobs
     if top_k > 0:
@@ -437,7 +438,7 @@ def score(
         raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
     hidden = completion_hidden_states(model, rollout, shadow=shadow, backend=backend)  # [B, N, H]
     logits = model.get_output_embeddings()(hidden)  # [B, N, V]
-    dtype = torch.float64 if logits.dtype == torch.float64 else torch.float32
+    dtype = softmax_dtype(logits.dtype)
     logprobs = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
     token_logprobs = logprobs.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)  # [B, N]
     return token_logprobs.masked_fill(~rollout.completion_mask, 0.0)

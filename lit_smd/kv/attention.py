@@ -26,6 +26,7 @@ from transformers.masking_utils import sdpa_mask
 
 from lit_smd.kv.precision import keep_float64_norms
 from lit_smd.kv.prefix import PackedPlan
+from lit_smd.kv.shadow import use_flex
 
 __all__ = ["ATTN_IMPLEMENTATION", "ensure_attention", "lit_smd_attention"]
 
@@ -64,19 +65,16 @@ def lit_smd_attention(
         return layer.attend_decode(query, scaling, sliding_window), None
 
     plan = kwargs.get("attention_plan")
-    if isinstance(plan, PackedPlan):
-        dropout = dropout if module.training else 0.0
-        return plan.attend(module.layer_idx, query, key, value, scaling, dropout, sliding_window), None
     if plan is None:
         return sdpa_attention_forward(
             module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
             sliding_window=sliding_window, **kwargs,
         )
     dropout = dropout if module.training else 0.0
+    if isinstance(plan, PackedPlan):
+        return plan.attend(module.layer_idx, query, key, value, scaling, dropout, sliding_window), None
     width = query.shape[2]
-    if plan.use_flex(query.device):
-        if dropout:
-            raise ValueError("the FlexAttention learner path does not support attention dropout; use backend='sdpa'")
+    if use_flex(plan.backend, query.device, dropout):
         block_mask = plan.block_mask(module.layer_idx, query.shape[1], width, sliding_window)
         out = _flex_attention()(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2).contiguous(), None

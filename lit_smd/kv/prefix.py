@@ -45,6 +45,8 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
+from lit_smd.kv.shadow import use_flex
+
 __all__ = ["PackedPlan"]
 
 
@@ -110,9 +112,7 @@ class PackedPlan:
             return out.transpose(1, 2).contiguous()
         if self.capture_prompt_kv:
             self.prompt_kv[layer_idx] = (key[:, :, :width].detach(), value[:, :, :width].detach())
-        if self.backend == "flex" or (self.backend == "auto" and query.device.type == "cuda"):
-            if dropout:
-                raise ValueError("the FlexAttention learner path has no attention dropout; use backend='sdpa'")
+        if use_flex(self.backend, query.device, dropout):
             from lit_smd.kv.attention import _flex_attention
 
             block_mask = self._block_mask(layer_idx, query.shape[1], key.shape[1], sliding_window)

@@ -25,7 +25,7 @@ from typing import Literal
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NEVER", "AttentionPlan", "ShadowMask"]
+__all__ = ["NEVER", "AttentionPlan", "ShadowMask", "use_flex"]
 
 NEVER = torch.iinfo(torch.int32).max
 """Eviction step of a key that was never evicted."""
@@ -135,6 +135,18 @@ class ShadowMask:
         return {"prompt": prompt, "decode": self.visible_fraction(prompt_lengths, decode_mask)}
 
 
+def use_flex(backend: str, device: torch.device, dropout: float) -> bool:
+    """Whether a learner pass with ``backend`` (``"flex"``, ``"sdpa"`` or ``"auto"``) runs FlexAttention on ``device``.
+
+    Raises:
+        ValueError: FlexAttention is chosen with attention dropout (it has none).
+    """
+    flex = backend == "flex" or (backend == "auto" and device.type == "cuda")
+    if flex and dropout:
+        raise ValueError("the FlexAttention learner path does not support attention dropout; use backend='sdpa'")
+    return flex
+
+
 @dataclass
 class AttentionPlan:
     """How the registered attention function masks one teacher-forced forward pass.
@@ -153,8 +165,6 @@ class AttentionPlan:
     backend: Literal["auto", "sdpa", "flex"] = "auto"
     _block_masks: dict[int, object] = field(default_factory=dict, repr=False)
 
-    def use_flex(self, device: torch.device) -> bool:
-        return self.backend == "flex" or (self.backend == "auto" and device.type == "cuda")
 
     def visible(self, layer_idx: int, width: int, sliding_window: int | None) -> torch.Tensor:
         """Boolean visibility ``[B, H_kv or 1, T, T]`` for one layer (query rows, key columns)."""
