@@ -12,8 +12,6 @@ values and what its logger received. The tests check, against computations indep
 """
 
 import importlib.util
-import subprocess
-import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
 from typing import Any
@@ -34,16 +32,9 @@ RANKS = range(script.WORLD_SIZE)
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def reports(tmp_path_factory: pytest.TempPathFactory, run_launch_script) -> dict[str, dict[str, Any]]:
     out = tmp_path_factory.mktemp("ddp")
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT_PATH), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=300,
-        cwd=Path(__file__).parents[2],
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_launch_script(SCRIPT_PATH, out, timeout=300)
     return {
         run: {
             "initial": torch.load(out / f"{run}_initial.pt"),

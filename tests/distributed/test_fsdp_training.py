@@ -13,7 +13,6 @@ distillation, a full one for SFT). The tests check, against one-process computat
 """
 
 import importlib.util
-import subprocess
 import sys
 from collections.abc import Callable, Iterable
 from pathlib import Path
@@ -40,16 +39,9 @@ RUNS = {"grpo": "policy", "distill": "student", "sft": "policy"}
 
 
 @pytest.fixture(scope="module")
-def reports(tmp_path_factory: pytest.TempPathFactory) -> dict[str, dict[str, Any]]:
+def reports(tmp_path_factory: pytest.TempPathFactory, run_launch_script) -> dict[str, dict[str, Any]]:
     out = tmp_path_factory.mktemp("fsdp")
-    result = subprocess.run(
-        [sys.executable, str(SCRIPT_PATH), str(out)],
-        capture_output=True,
-        text=True,
-        timeout=600,
-        cwd=Path(__file__).parents[2],
-    )
-    assert result.returncode == 0, result.stderr[-4000:]
+    run_launch_script(SCRIPT_PATH, out, timeout=600)
 
     def load(name: str) -> Any:
         return torch.load(out / name, weights_only=False)
