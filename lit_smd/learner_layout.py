@@ -55,8 +55,9 @@ def shareable_groups(rollout: Rollout, *, shadow: bool) -> tuple[Tensor, Tensor]
         steps = rollout.shadow_mask.evict_steps  # [L, B, Hkv, T]
         keys = torch.arange(steps.shape[-1], device=steps.device)
         in_prompt = keys[None, :] < prompt_lengths[:, None]  # [B, T]
-        early = (steps.long() < prompt_lengths[None, :, None, None]) & in_prompt[None, :, None, :]
-        shareable = ~early.flatten(2).permute(1, 0, 2).flatten(1).any(dim=1)
+        limit = prompt_lengths.to(steps.dtype)[None, :, None, None]  # compared in the mask's int32: no int64 copy
+        early = (steps < limit) & in_prompt[None, :, None, :]  # [L, B, Hkv, T]
+        shareable = ~early.any(dim=3).any(dim=2).any(dim=0)
     prompts = rollout.prompt_ids.masked_fill(~rollout.prompt_mask, -1)  # pads may hold any id
     same_prompt = torch.cat([torch.zeros(1, dtype=torch.bool, device=shareable.device),
                              (prompts[1:] == prompts[:-1]).all(dim=1) & shareable[:-1]])  # fmt: skip

@@ -128,7 +128,8 @@ class ShadowMask:
         """
         columns = torch.arange(self.length, device=self.evict_steps.device)
         in_prompt = columns[None, :] < prompt_lengths[:, None]  # [B, T]
-        kept = (self.evict_steps.long() > prompt_lengths[None, :, None, None]) & in_prompt[None, :, None, :]
+        limit = prompt_lengths.to(self.evict_steps.dtype)[None, :, None, None]  # int32 compare: no int64 copy
+        kept = (self.evict_steps > limit) & in_prompt[None, :, None, :]
         prompt = (kept.sum(-1).double() / prompt_lengths[None, :, None].double()).mean()
         decode_mask = completion_mask.clone()
         decode_mask[:, :1] = False
