@@ -174,10 +174,9 @@ class BudgetedLayer(CacheLayerMixin):
         ctx = PrefillContext(
             query, key, value, scaling, batch.positions, batch.lengths - 1, sliding_window, cache.generator
         )
-        needs_sums = policy is not None and policy.accumulates_attention
-        out = ctx.attend(column_sums=needs_sums, window=getattr(policy, "observation_window", 0))  # [m, W, Hq, D]
+        out = ctx.attend(column_sums=cache.accumulates, window=getattr(policy, "observation_window", 0))
         self._select_prompt(ctx)
-        return out.contiguous()
+        return out.contiguous()  # [m, W, Hq, D]
 
     def _select_prompt(self, ctx: PrefillContext) -> None:
         """Keep each prompt's ``batch.keep`` best-scoring keys in slots ``[0, keep)``, in position order."""
@@ -206,7 +205,7 @@ class BudgetedLayer(CacheLayerMixin):
         self.values[rows, :, :kept] = value.gather(2, gather_kv).repeat_interleave(samples, dim=0)
         slot_pos = positions[:, None, :].expand(-1, kv_heads, -1).gather(-1, columns).masked_fill(~keep, -1)
         self.positions[rows, :, :kept] = slot_pos.repeat_interleave(samples, dim=0)
-        if policy is not None and policy.accumulates_attention:
+        if self.cache.accumulates:
             sums = ctx.attention_column_sums().gather(-1, columns).masked_fill(~keep, 0.0)
             self.accumulated[rows, :, :kept] = sums.to(self.accumulated.dtype).repeat_interleave(samples, dim=0)
         self.free_slot[rows] = batch.keep.repeat_interleave(samples)[:, None, None]
@@ -240,7 +239,7 @@ class BudgetedLayer(CacheLayerMixin):
         out = torch.matmul(probs.to(self.values.dtype), self.values)  # [B, Hkv, G, D]
         self.seen += 1
         policy = self.cache.compressor
-        if policy is not None and policy.accumulates_attention:
+        if self.cache.accumulates:
             self.accumulated += probs.sum(dim=2)
         if step.over is None:  # no row is over budget this step: the key stays, the next goes after it
             self.free_slot = step.written[:, None, None].expand(-1, kv_heads, 1)
