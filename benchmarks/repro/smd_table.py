@@ -93,10 +93,10 @@ def _configs(paths: list[Path]) -> list[str]:
 def compressor_spec(selection: str, budget: float) -> dict[str, Any]:
     """The ``class_path`` / ``init_args`` of a selection at a budget (tiny prompts: 2-token windows, 1 sink).
 
-    ``budget_mode="fixed"`` (``floor(budget * (prompt + max_new_tokens))`` keys throughout): the tables in
-    docs/results were measured with that meaning, before the papers' per-step budget became the default.
+    Budgets as the papers define them (``budget_mode="paper"``): ``floor(budget * prompt)`` keys after the prefill,
+    ``floor(budget * (prompt + t))`` after ``t`` generated tokens.
     """
-    mode = {"budget": budget, "budget_mode": "fixed"}
+    mode = {"budget": budget, "budget_mode": "paper"}
     if selection == "snapkv":
         return {
             "class_path": "lit_smd.kv.PrefillThenDecode",
