@@ -154,15 +154,40 @@ def test_no_rows_heads_t_t_tensor_is_kept_for_backward(model64):
     rollout = _rollout(model)
     learner, saved = _saved_tensors(lambda: learner_hidden_states(model, rollout, shadow=True))
     plan = learner._packing.plan
-    rows, width, slot_queries = plan.prompt_lengths.shape[0], plan.width, plan.num_slots * plan.slot_width
-    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
-    masks = [torch.Size(shape).numel() for shape, _ in saved if len(shape) == 4 and shape[-1] == width]
-    assert masks and max(masks) <= rows * kv_heads * slot_queries * width  # slot queries x KV heads only
-    assert all(shape[-2:] != (width, width) for shape, _ in saved)
+    width, slot_keys = plan.width, plan.prompt_width + plan.slot_width
+    heads = model.config.num_attention_heads
+    assert len({width, slot_keys, plan.prompt_width, plan.slot_width}) == 4  # the shapes below are unambiguous
+    # The slot attention is checkpointed: none of its masks ([R*S, h, N, W + N]), per-slot key copies or outputs is
+    # kept; the prompt's fused causal attention keeps only its [R, H, W, D] inputs.
+    assert saved, "nothing was saved: the hooks did not run"
+    assert not [shape for shape, dtype in saved if dtype == torch.bool]
+    assert not [shape for shape, _ in saved if len(shape) == 4 and shape[-1] in (width, slot_keys)]
     # The per-row pass keeps a [B, H_q, T, T] mask per layer: the checks above can fail.
     _, per_row = _saved_tensors(lambda: completion_hidden_states(model, rollout, shadow=True))
     per_row_width = rollout.prompt_ids.shape[1] + NEW
     assert (len(rollout), heads, per_row_width, per_row_width) in {shape for shape, _ in per_row}
+
+
+def test_checkpointed_slot_attention_holds_only_storage_autograd_keeps_anyway(model64, monkeypatch):
+    """The checkpoint keeps its inputs for the recomputation; they must be slices of tensors saved elsewhere, or the
+    activation memory the benchmark counts (saved tensors) would miss them."""
+    from lit_smd.kv.prefix import PackedPlan
+
+    model = model64("qwen3")
+    rollout = _rollout(model)
+    inputs, attend_slots = [], PackedPlan._attend_slots
+
+    def spy(self, layer_idx, *tensors_and_args):
+        inputs.extend(x.untyped_storage().data_ptr() for x in tensors_and_args[:5])
+        return attend_slots(self, layer_idx, *tensors_and_args)
+
+    monkeypatch.setattr(PackedPlan, "_attend_slots", spy)
+    saved = set()
+    keep = lambda t: saved.add(t.untyped_storage().data_ptr()) or t  # noqa: E731
+    with torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t):
+        learner_hidden_states(model, rollout, shadow=True)
+    assert len(inputs) == 5 * model.config.num_hidden_layers
+    assert all(pointer in saved for pointer in inputs)
 
 
 def test_unknown_layout_is_rejected(tiny_model):
@@ -223,8 +248,15 @@ def test_flex_block_mask_matches_the_sdpa_masks(model64, window):
     for layer in range(model.config.num_hidden_layers):
         block_mask = plan._block_mask(layer, heads, kv_heads, window)
         dense = create_mask(block_mask.mask_mod, rows, heads, plan.width, plan.width, device="cpu")  # [R, Hq, T, T]
-        slots = plan._slot_mask(layer, window, torch.device("cpu")).repeat_interleave(heads // kv_heads, dim=1)
-        assert torch.equal(dense[:, :, width:], slots)
+        slots = plan._slot_mask(layer, window, torch.device("cpu"))  # [R*S, Hkv, N, W + N]
+        slots = slots.unflatten(0, (rows, plan.num_slots)).repeat_interleave(heads // kv_heads, dim=2)
+        for slot in range(plan.num_slots):
+            own = torch.zeros(plan.width, dtype=torch.bool)
+            own[width + slot * plan.slot_width : width + (slot + 1) * plan.slot_width] = True
+            queries = dense[:, :, own]  # [R, Hq, N, T]
+            assert torch.equal(queries[..., :width], slots[:, slot, ..., :width])
+            assert torch.equal(queries[..., own], slots[:, slot, ..., width:])
+            assert not queries[..., width:][..., ~own[width:]].any()  # never another slot's keys
         expected = causal if window is None else causal & ((positions[:, None] - positions[None, :]) < window)
         assert torch.equal(dense[:, :, :width, :width], expected[:, None].expand(-1, heads, -1, -1))
         assert not dense[:, :, :width, width:].any()

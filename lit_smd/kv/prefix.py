@@ -22,15 +22,17 @@ Attention per layer (SDPA path, any device):
 
 * prompt queries ``[R, H_q, W]`` over the prompt keys with ``is_causal`` (the fused causal kernel; a boolean mask only
   for sliding-window layers shorter than ``W``);
-* slot queries ``[R, H_q, S*N]`` over all ``W + S*N`` keys with a boolean mask built for the slot queries only:
-  ``[R, 1, S*N, T]`` for the dense view, ``[R, H_kv, S*N, T]`` under the shadow mask. The KV heads are folded into the
-  batch (``[R*H_kv, G, S*N, D]`` queries over ``[R*H_kv, 1, T, D]`` keys, ``enable_gqa``), so a mask row serves the
-  ``G`` query heads of its KV head without being repeated.
+* slot queries with the slots in the batch: each slot's ``N`` queries attend to ``[prompt keys | its own N keys]``
+  (``W + N`` columns, the prompt keys copied per slot), with a boolean mask ``[R*S, 1, N, W + N]`` for the dense view
+  and ``[R*S, H_kv, N, W + N]`` under the shadow mask. The KV heads are then folded into the batch (``[R*S*H_kv, G,
+  N, D]`` queries over ``[R*S*H_kv, 1, W + N, D]`` keys), so a mask row serves the ``G`` query heads of its KV head
+  without being repeated. Nothing grows with ``(S*N)^2``: the cost is that of ``S`` rows of ``W + N`` keys.
 
-Nothing of shape ``[rows, heads, T, T]`` is built or kept for backward: the masks (kept by SDPA's backward) cover slot
-queries and KV heads only, and the fused kernels keep the output and its log-sum-exp. On CUDA the default backend is
-FlexAttention over the whole packed row with a `BlockMask`, which skips fully masked blocks and applies no mask in
-fully visible ones.
+Nothing of shape ``[rows, heads, T, T]`` is built or kept for backward. The slot attention is checkpointed under
+autograd: SDPA on CPU would keep a float copy of its mask (and the per-slot key copies and output) for the backward;
+they are rebuilt there instead, from the query / key / value slices the prompt's fused causal attention keeps
+anyway. On CUDA the default backend is FlexAttention over the whole packed row with a `BlockMask`, which skips fully
+masked blocks and applies no mask in fully visible ones.
 
 Reusing the prompt (the dense teacher of SMD): a pass built with ``capture_prompt_kv=True`` keeps every layer's prompt
 keys and values (detached). `PackedPlan.for_slots` then describes a pass over the slot tokens only that attends to
@@ -44,6 +46,7 @@ from typing import Literal
 
 import torch
 import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
 
 from lit_smd.kv.shadow import use_flex
 
@@ -107,8 +110,8 @@ class PackedPlan:
         width = self.prompt_width
         if self.slots_only:
             prompt_keys, prompt_values = self.prompt_kv[layer_idx]
-            key, value = torch.cat([prompt_keys, key], dim=2), torch.cat([prompt_values, value], dim=2)
-            out = self._attend_slots(layer_idx, query, key, value, scaling, dropout, sliding_window)
+            out = self._attend_slots(layer_idx, query, prompt_keys, prompt_values, key, value, scaling, dropout,
+                                     sliding_window)  # fmt: skip
             return out.transpose(1, 2).contiguous()
         if self.capture_prompt_kv:
             self.prompt_kv[layer_idx] = (key[:, :, :width].detach(), value[:, :, :width].detach())
@@ -119,10 +122,6 @@ class PackedPlan:
             out = _flex_attention()(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=True)
             return out.transpose(1, 2).contiguous()
         group = query.shape[1] // key.shape[1]
-        if self.steps is not None and group > 1 and key.shape[1] > 1:
-            # The per-KV-head slot mask folds the KV heads into the batch; on contiguous [R, H, T, D] tensors that fold
-            # is a view, so both SDPA calls save slices of one copy (transformers hands over [R, T, H, D] layouts).
-            query, key, value = query.contiguous(), key.contiguous(), value.contiguous()
         prompt_args = {"dropout_p": dropout, "scale": scaling, "enable_gqa": group > 1}
         if sliding_window is None or sliding_window >= width:
             prompt_args["is_causal"] = True
@@ -131,27 +130,55 @@ class PackedPlan:
         prompt_out = F.scaled_dot_product_attention(
             query[:, :, :width], key[:, :, :width], value[:, :, :width], **prompt_args
         )  # [R, Hq, W, D]
-        slot_out = self._attend_slots(layer_idx, query[:, :, width:], key, value, scaling, dropout, sliding_window)
+        slot_out = self._attend_slots(
+            layer_idx, query[:, :, width:], key[:, :, :width], value[:, :, :width], key[:, :, width:],
+            value[:, :, width:], scaling, dropout, sliding_window,
+        )  # fmt: skip
         return torch.cat([prompt_out, slot_out], dim=2).transpose(1, 2).contiguous()
 
-    def _attend_slots(self, layer_idx, query, key, value, scaling, dropout, sliding_window) -> torch.Tensor:
-        """Slot queries ``[R, H_q, S*N, D]`` over all keys ``[R, H_kv, W + S*N, D]`` -> ``[R, H_q, S*N, D]``."""
-        rows, q_heads, num_queries, dim = query.shape
-        kv_heads, num_keys = key.shape[1], key.shape[2]
-        group = q_heads // kv_heads
-        mask = self._slot_mask(layer_idx, sliding_window, query.device)  # [R, 1 or Hkv, S*N, T]
-        args = {"dropout_p": dropout, "scale": scaling, "enable_gqa": group > 1}
-        if mask.shape[1] == 1 or kv_heads == 1:
-            return F.scaled_dot_product_attention(query, key, value, attn_mask=mask, **args)
-        # One mask row per KV head: fold the KV heads into the batch; the mask broadcasts over each group's query heads.
-        out = F.scaled_dot_product_attention(
-            query.reshape(rows * kv_heads, group, num_queries, dim),
-            key.reshape(rows * kv_heads, 1, num_keys, dim),
-            value.reshape(rows * kv_heads, 1, num_keys, dim),
-            attn_mask=mask.reshape(rows * kv_heads, 1, num_queries, num_keys),
-            **args,
-        )  # [R*Hkv, G, S*N, D]
-        return out.reshape(rows, q_heads, num_queries, dim)
+    def _attend_slots(
+        self, layer_idx, query, prompt_key, prompt_value, slot_key, slot_value, scaling, dropout, sliding_window
+    ) -> torch.Tensor:
+        """Slot queries ``[R, H_q, S*N, D]`` over the prompt keys ``[R, H_kv, W, D]`` and the slot keys
+        ``[R, H_kv, S*N, D]`` -> ``[R, H_q, S*N, D]``.
+
+        Each slot is its own batch entry: its ``N`` queries over ``[prompt keys | its own N keys]`` (``W + N``
+        columns), so nothing grows with the square of ``S*N``. Under autograd the computation is checkpointed: its
+        copies of the keys, its float mask and its output are rebuilt in the backward pass instead of being kept
+        (the inputs are slices of tensors the prompt's attention keeps anyway).
+        """
+
+        def attention(query, prompt_key, prompt_value, slot_key, slot_value):
+            rows, q_heads, _, dim = query.shape
+            kv_heads, width, slots, new = prompt_key.shape[1], self.prompt_width, self.num_slots, self.slot_width
+            group = q_heads // kv_heads
+
+            def per_slot(prompt: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+                # [R, Hkv, W, D], [R, Hkv, S*N, D] -> [R, S, Hkv, W + N, D]
+                prompt = prompt[:, None].expand(rows, slots, kv_heads, width, dim)
+                return torch.cat([prompt, own.unflatten(2, (slots, new)).transpose(1, 2)], dim=3)
+
+            keys, values = per_slot(prompt_key, slot_key), per_slot(prompt_value, slot_value)
+            queries = query.unflatten(2, (slots, new)).transpose(1, 2)  # [R, S, Hq, N, D]
+            mask = self._slot_mask(layer_idx, sliding_window, query.device)  # [R*S, 1 or Hkv, N, W + N]
+            args = {"dropout_p": dropout, "scale": scaling, "enable_gqa": group > 1}
+            if mask.shape[1] == 1 or kv_heads == 1:
+                batch, q_split, kv_split = rows * slots, q_heads, kv_heads
+            else:  # one mask row per KV head: fold the KV heads into the batch, the mask broadcasts over each group
+                batch, q_split, kv_split = rows * slots * kv_heads, group, 1
+            out = F.scaled_dot_product_attention(
+                queries.reshape(batch, q_split, new, dim),
+                keys.reshape(batch, kv_split, width + new, dim),
+                values.reshape(batch, kv_split, width + new, dim),
+                attn_mask=mask.reshape(batch, -1, new, width + new),
+                **args,
+            )  # [R*S(*Hkv), Hq (or G), N, D]
+            return out.reshape(rows, slots, q_heads, new, dim).transpose(1, 2).reshape(rows, q_heads, slots * new, dim)
+
+        inputs = (query, prompt_key, prompt_value, slot_key, slot_value)
+        if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
+            return checkpoint(attention, *inputs, use_reentrant=False)
+        return attention(*inputs)
 
     # ---------------------------------------------------------------------------------------------------- masks
 
@@ -165,7 +192,8 @@ class PackedPlan:
         return self._masks[key]
 
     def _slot_mask(self, layer_idx: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
-        """Boolean visibility of the slot queries ``[R, 1 or H_kv, S*N, W + S*N]`` (dense: one for all layers)."""
+        """Boolean visibility ``[R*S, 1 or H_kv, N, W + N]`` of each slot's queries over the prompt keys (columns
+        ``[0, W)``) and the slot's own keys (columns ``[W, W + N)``); the dense view's is one for all layers."""
         cache_key = ("slots", sliding_window) if self.steps is None else None
         if cache_key in self._masks:
             return self._masks[cache_key]
@@ -179,21 +207,16 @@ class PackedPlan:
         if sliding_window is not None:
             prompt_vis = prompt_vis & ((query_pos[:, :, None] - c[None, None, :]) < sliding_window)
             own_vis = own_vis & ((t[:, None] - t[None, :]) < sliding_window)[None]
-        prompt_vis, own_vis = prompt_vis[:, None, None], own_vis[:, None, None]  # [R, 1, 1, N, W | N]
+        visible = torch.cat([prompt_vis, own_vis], dim=-1)[:, None, None]  # [R, 1, 1, N, W + N]
         if self.steps is not None:
             steps = self.steps[layer_idx].to(device)  # [R, Hkv, S, W + N]
-            later = query_pos[:, None, None, :, None]  # [R, 1, 1, N, 1]
-            prompt_vis = prompt_vis & (later < steps[:, :, :, None, :width])  # [R, Hkv, S, N, W]
-            own_vis = own_vis & (later < steps[:, :, :, None, width:])  # [R, Hkv, S, N, N]
-        own_vis = own_vis | torch.eye(new, dtype=torch.bool, device=device)  # a query always sees itself: no NaN
-        heads = own_vis.shape[1]
-        prompt_vis = prompt_vis.expand(rows, heads, slots, new, width)
-        same_slot = torch.eye(slots, dtype=torch.bool, device=device)[:, None, :, None]  # [S, 1, S, 1]
-        slot_vis = own_vis.expand(rows, heads, slots, new, new)[:, :, :, :, None, :] & same_slot  # [R, h, S, N, S, N]
-        mask = torch.cat(
-            [prompt_vis.reshape(rows, heads, slots * new, width), slot_vis.reshape(rows, heads, slots * new, -1)],
-            dim=-1,
-        )  # [R, h, S*N, W + S*N]
+            visible = visible & (query_pos[:, None, None, :, None] < steps[:, :, :, None, :])  # [R, Hkv, S, N, W + N]
+            visible = visible.transpose(1, 2)  # [R, S, Hkv, N, W + N]
+        else:
+            visible = visible.expand(rows, slots, 1, new, width + new)
+        itself = torch.cat([torch.zeros(new, width, dtype=torch.bool, device=device),
+                            torch.eye(new, dtype=torch.bool, device=device)], dim=1)  # fmt: skip
+        mask = (visible | itself).reshape(rows * slots, -1, new, width + new)  # a query always sees itself: no NaN
         if cache_key is not None:
             self._masks[cache_key] = mask
         return mask
