@@ -56,8 +56,9 @@ from lit_smd.datamodules.teacher_cache import (
     recover_interrupted_build,
     tokenizer_fingerprint,
 )
+from lit_smd.learner_layout import LearnerLayout, learner_hidden_states
 from lit_smd.models import Quantization, check_pretrained_source, load_causal_lm
-from lit_smd.rollout import Rollout, completion_hidden_states, generate
+from lit_smd.rollout import Rollout, generate
 
 __all__ = ["build_teacher_cache", "teacher_topk_logprobs"]
 
@@ -68,7 +69,13 @@ ModelDType = Literal["auto", "float32", "bfloat16", "float16", "float64"]
 
 @torch.no_grad()
 def teacher_topk_logprobs(
-    model: PreTrainedModel, rollout: Rollout, k: int, temperature: float = 1.0, chunk_size: int = 1024
+    model: PreTrainedModel,
+    rollout: Rollout,
+    k: int,
+    temperature: float = 1.0,
+    chunk_size: int = 1024,
+    *,
+    layout: LearnerLayout = "shared_prefix",
 ) -> tuple[Tensor, Tensor]:
     """The teacher's ``k`` largest log-probs at every completion position, teacher-forced, in chunks of rows.
 
@@ -78,6 +85,8 @@ def teacher_topk_logprobs(
         k: Entries kept per position, ``1 <= k <= V``.
         temperature: Temperature of the distribution.
         chunk_size: Rows projected to the vocabulary at a time.
+        layout: ``"shared_prefix"`` (a prompt encoded once for the consecutive rows that share it) or ``"per_row"``
+            (`lit_smd.learner_layout`).
 
     Returns:
         ``(ids [B, N, k] long, logprobs [B, N, k] float32)``, sorted by decreasing log-prob; rows past a completion's
@@ -87,7 +96,7 @@ def teacher_topk_logprobs(
     vocab_size = head.weight.shape[0]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab_size:
         raise ValueError(f"top_k must be an integer in [1, vocab size {vocab_size}], got {k!r}")
-    hidden = completion_hidden_states(model, rollout, shadow=False)  # [B, N, H]
+    hidden = learner_hidden_states(model, rollout, shadow=False, layout=layout).hidden  # [B, N, H]
     rows = hidden.reshape(-1, hidden.shape[-1])  # [B*N, H]
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     ids, values = [], []

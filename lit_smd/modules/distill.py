@@ -81,6 +81,7 @@ from lit_smd.datamodules.rollout import require_full_weights
 from lit_smd.datamodules.teacher_cache import CachedBatch, CacheMetadata, tokenizer_fingerprint
 from lit_smd.datamodules.teacher_cache_build import teacher_topk_logprobs
 from lit_smd.fsdp import fsdp_strategy, gathered, shard_model, unsharded_attribute
+from lit_smd.learner_layout import LEARNER_LAYOUTS, LearnerLayout, learner_hidden_states
 from lit_smd.lora import LoraSettings, add_lora, check_lora, save_pretrained_merged
 from lit_smd.losses.grpo import masked_mean
 from lit_smd.losses.kl import chunked_token_kl, sampled_reverse_kl
@@ -100,7 +101,7 @@ from lit_smd.modules._common import (
     prepare_trainable,
 )
 from lit_smd.modules._distill_checks import check_distill_args
-from lit_smd.rollout import Rollout, completion_hidden_states, generate
+from lit_smd.rollout import Rollout, generate
 
 __all__ = ["DistillModule", "Estimator", "PrefixSource"]
 
@@ -149,6 +150,10 @@ class DistillModule(LightningModule):
         disable_dropout: Set the student's dropout probabilities to 0.
         export_dir: Write the trained student (and the data side's tokenizer) here with ``save_pretrained`` when fit
             ends (rank 0).
+        learner_layout: How the teacher-forced passes (student, teacher, probe) lay out a batch: ``"shared_prefix"``
+            encodes a prompt once for the consecutive rows that share it (several samples of one prompt, as a teacher
+            cache built with ``num_samples > 1`` stores them; `lit_smd.learner_layout`), ``"per_row"`` one row per
+            sample. Same log-probs and gradients.
         sampling_seed: Seed of the mix coin and of the sampling (student prefixes, `probe`). Not named ``seed``: the
             DataModules' ``seed`` (shuffling) is another hyperparameter, and Lightning refuses to log a module and a
             DataModule whose hyperparameters share a key with different values.
@@ -183,8 +188,11 @@ class DistillModule(LightningModule):
         export_dir: str | None = None,
         sampling_seed: int = 0,
         on_nonfinite: NonFiniteAction = "stop",
+        learner_layout: LearnerLayout = "shared_prefix",
     ) -> None:
         super().__init__()
+        if learner_layout not in LEARNER_LAYOUTS:
+            raise ValueError(f"learner_layout must be one of {LEARNER_LAYOUTS}, got {learner_layout!r}")
         self.nonfinite_guard = NonFiniteGuard(on_nonfinite)
         check_distill_args(
             student, teacher, prefix_source, student_prefix_probability, forward_weight, reverse_weight, temperature,
@@ -211,6 +219,7 @@ class DistillModule(LightningModule):
         self.lora = lora
         self.export_dir = export_dir
         self.sampling_seed = sampling_seed
+        self.learner_layout = learner_layout
         self._max_new_tokens = max_new_tokens
         self._student_source = student if isinstance(student, str) else None
         self._teacher_source = teacher if isinstance(teacher, str) else None
@@ -257,7 +266,7 @@ class DistillModule(LightningModule):
             with gathered(self.student, layers=True):  # FSDP2: the whole student for the probe
                 generator = torch.Generator(self.device).manual_seed(self.sampling_seed)
                 rollout = self._generate(self.student, prompts, generator)
-                hidden = completion_hidden_states(self.student, rollout, shadow=False)  # [B, N, H]
+                hidden = self._hidden(self.student, rollout)  # [B, N, H]
                 head = self.student.get_output_embeddings()
                 _, entropy = token_logprobs_and_entropy(
                     hidden, head.weight, head.bias, rollout.completion_ids, temperature=self.temperature,
@@ -327,10 +336,12 @@ class DistillModule(LightningModule):
         chunk = self.logits_chunk_size
         weights = {"forward_weight": self.forward_weight, "reverse_weight": self.reverse_weight}
         common = {"temperature": self.temperature, "mask": mask, "chunk_size": chunk}
-        student_hidden = completion_hidden_states(self.student, rollout, shadow=False)  # [B, N, H]
+        student_hidden = self._hidden(self.student, rollout)  # [B, N, H]
         if self.estimator == "topk":
             if cached is None:
-                ids, logprobs = teacher_topk_logprobs(self.teacher, rollout, self.top_k, self.temperature, chunk)
+                ids, logprobs = teacher_topk_logprobs(
+                    self.teacher, rollout, self.top_k, self.temperature, chunk, layout=self.learner_layout
+                )
             else:
                 ids, logprobs = cached[0][..., : self.top_k], cached[1][..., : self.top_k]  # [B, N, k]
             out = topk_token_kl(
@@ -341,7 +352,7 @@ class DistillModule(LightningModule):
         else:
             teacher_head = self.teacher.get_output_embeddings()
             with torch.no_grad():
-                teacher_hidden = completion_hidden_states(self.teacher, rollout, shadow=False)  # [B, N, H_T]
+                teacher_hidden = self._hidden(self.teacher, rollout)  # [B, N, H_T]
             teacher_top1 = _chunked_argmax(teacher_hidden, teacher_head.weight, teacher_head.bias, chunk)  # [B, N]
         if self.estimator == "full":
             out = chunked_token_kl(
@@ -553,6 +564,10 @@ class DistillModule(LightningModule):
                 temperature=self.temperature, eos_token_id=sorted({*prompts.eos_token_ids, *filter(None, configured)}),
                 pad_token_id=prompts.pad_token_id, generator=generator,
             )  # fmt: skip
+
+    def _hidden(self, model: PreTrainedModel, rollout: Rollout) -> Tensor:
+        """``[B, N, H]`` teacher-forced hidden states of ``model`` predicting ``rollout``'s completions (dense view)."""
+        return learner_hidden_states(model, rollout, shadow=False, layout=self.learner_layout).hidden
 
     def _truncate(self, batch: CachedBatch) -> tuple[Rollout, tuple[Tensor, Tensor]]:
         """The cached trajectories cut at ``max_new_tokens`` (cut ones marked ``"length"``) and their top-k."""

@@ -188,6 +188,8 @@ DISTILL_ERRORS = [
     ("zero logits_chunk_size", {"logits_chunk_size": 0}, r"logits_chunk_size must be >= 1, got 0"),
     ("unknown model_dtype", {"model_dtype": "half"}, r"model_dtype must be one of \('auto', .*got 'half'"),
     ("missing teacher path", {"teacher": "/nonexistent/teacher"}, r"teacher='/nonexistent/teacher' is neither"),
+    ("unknown learner_layout", {"learner_layout": "packed"},
+     r"learner_layout must be one of \('shared_prefix', 'per_row'\), got 'packed'"),
 ]  # fmt: skip
 
 

@@ -182,6 +182,37 @@ def test_full_loss_and_gradients_match_naive_kl_on_independent_forward_passes(to
     assert 0.0 <= float(metrics["distill/top1_agreement"]) <= 1.0
 
 
+@pytest.mark.parametrize("estimator", ["full", "topk", "sampled"])
+def test_shared_prefix_layout_equals_per_row_on_repeated_prompts(tokenizer, estimator):
+    """Several samples of a prompt in consecutive rows (as a teacher cache with ``num_samples > 1`` stores them) are
+    scored with the prompt encoded once: loss, statistics and student gradients equal the per-row pass in float64."""
+    from lit_smd.datamodules import teacher_topk_logprobs
+
+    student = build_tiny_model("qwen3", tokenizer=tokenizer, dtype=torch.float64)
+    teacher = build_tiny_model("llama", tokenizer=tokenizer, dtype=torch.float64, **TEACHER)
+    dm = data(tokenizer)
+    dm.setup()
+    kwargs = {"forward_weight": 0.0 if estimator == "sampled" else 0.7, "reverse_weight": 0.3, "estimator": estimator,
+              "top_k": 5, "max_new_tokens": 6}  # fmt: skip
+    rollout = DistillModule(student, teacher, **kwargs)(dm.collate([0, 0, 0, 1, 1, 2]))
+    assert (rollout.completion_ids[:3] != rollout.completion_ids[0]).any()  # the samples of prompt 0 differ
+    results = {}
+    for layout in ("per_row", "shared_prefix"):
+        module = DistillModule(student, teacher, learner_layout=layout, **kwargs)
+        loss, metrics = module.distill_loss(rollout)
+        grads = torch.autograd.grad(loss, list(student.parameters()))
+        results[layout] = (loss.detach(), metrics, grads, teacher_topk_logprobs(teacher, rollout, 5, layout=layout))
+    (loss_a, metrics_a, grads_a, top_a), (loss_b, metrics_b, grads_b, top_b) = results.values()
+    assert loss_a.abs() > 0 and (loss_a - loss_b).abs() <= 1e-10
+    for key, value in metrics_a.items():
+        assert (value - metrics_b[key]).abs() <= 1e-10, key
+    for grad_a, grad_b in zip(grads_a, grads_b, strict=True):
+        assert (grad_a - grad_b).abs().max() <= 1e-10
+    valid = rollout.completion_mask[..., None]
+    assert torch.equal(top_a[0] * valid, top_b[0] * valid)
+    assert ((top_a[1] - top_b[1]) * valid).abs().max() <= 1e-10
+
+
 def test_a_copy_of_the_student_as_teacher_gives_zero_kl_and_full_agreement(student, tokenizer):
     module = DistillModule(student, copy.deepcopy(student), forward_weight=0.5, reverse_weight=0.5, max_new_tokens=4)
     dm = data(tokenizer)
