@@ -25,14 +25,15 @@ Rewards are a fixed seeded 0/1 pattern (the timing does not depend on them). Mod
 medians over ``--repeats`` iterations after a warm-up. Ratios: iteration against ``dense`` with the same layout, and
 learner time / activation memory of ``shared_prefix`` against ``per_row`` of the same mode.
 
-The curve (``--curve-prompt-lens`` at G = ``--num-samples``, ``--curve-groups`` at the first prompt length): the dense
-learner step alone (forward + backward of
-``training_step``), per-row against shared-prefix, one prompt per point.
+The curve, per-row against shared-prefix, one prompt per point, the learner step alone (forward + backward of
+``training_step``): the dense learner over ``--curve-prompt-lens`` at G = ``--num-samples`` and over
+``--curve-groups`` at the first prompt length; then SMD's learner (shadow-masked pass, dense teacher, KL) over
+``--curve-new-tokens`` at the first curve prompt length, where long completions test the packed slot attention.
 
 Defaults: CPU: prompt 1024, 1 prompt x 8 samples, 64 new tokens, qwen3 hidden 256, 4 layers, 8/2 heads, vocab 4096,
-float32, one torch thread; curve over prompts 256 / 1024 / 4096 at G = 8 and G = 2 / 16 at prompt 1024. CUDA:
-prompts 2048 and 4096, 4 x 8, 256 new tokens, hidden 1024, 8 layers, vocab 32000, bfloat16; curve over prompts
-1024 / 4096 / 16384 and G = 2 / 16.
+float32, one torch thread; curve over prompts 256 / 1024 / 4096 at G = 8, G = 2 / 16 at prompt 1024, and SMD with
+256 / 1024 new tokens at prompt 256. CUDA: prompts 2048 and 4096, 4 x 8, 256 new tokens, hidden 1024, 8 layers,
+vocab 32000, bfloat16; curve over prompts 1024 / 4096 / 16384, G = 2 / 16, and SMD with 1024 / 4096 new tokens.
 
 Usage::
 
@@ -80,6 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="prompt lengths of the learner curve, at G = --num-samples (empty: none)")
     parser.add_argument("--curve-groups", type=int, nargs="*", default=None,
                         help="group sizes of the learner curve, at the first --prompt-lens (empty: none)")
+    parser.add_argument("--curve-new-tokens", type=int, nargs="*", default=None,
+                        help="completion lengths of SMD's learner curve, at the first curve prompt (empty: none)")
     parser.add_argument("--hidden-size", type=int, default=None)
     parser.add_argument("--num-layers", type=int, default=None)
     parser.add_argument("--num-heads", type=int, default=None)
@@ -97,11 +100,11 @@ def _fill_defaults(args: argparse.Namespace, cuda: bool) -> None:
     defaults = (
         {"prompt_lens": [2048, 4096], "batch": 4, "num_samples": 8, "new_tokens": 256, "hidden_size": 1024,
          "num_layers": 8, "num_heads": 16, "num_kv_heads": 4, "vocab_size": 32000, "dtype": "bfloat16",
-         "curve_prompt_lens": [1024, 4096, 16384], "curve_groups": [2, 8, 16]}
+         "curve_prompt_lens": [1024, 4096, 16384], "curve_groups": [2, 8, 16], "curve_new_tokens": [1024, 4096]}
         if cuda else
         {"prompt_lens": [1024], "batch": 1, "num_samples": 8, "new_tokens": 64, "hidden_size": 256,
          "num_layers": 4, "num_heads": 8, "num_kv_heads": 2, "vocab_size": 4096, "dtype": "float32",
-         "curve_prompt_lens": [256, 1024, 4096], "curve_groups": [2, 8, 16]}
+         "curve_prompt_lens": [256, 1024, 4096], "curve_groups": [2, 8, 16], "curve_new_tokens": [256, 1024]}
     )  # fmt: skip
     for key, value in defaults.items():
         if getattr(args, key) is None:
@@ -226,15 +229,20 @@ def _table(rows: list[dict[str, Any]]) -> str:
     return C.markdown_table(headers, lines)
 
 
-def _curve_point(policy, args, prompt_len: int, group: int, device) -> dict[str, Any]:
-    """Dense learner step (training_step forward + backward) per layout, one prompt of ``group`` samples."""
+def _curve_point(policy, args, point: tuple[str, int, int, int], device) -> dict[str, Any]:
+    """The learner step of ``mode`` (training_step forward + backward) per layout, one prompt of ``group`` samples."""
+    mode, prompt_len, group, new_tokens = point
     ids, mask = C.left_padded_prompts(args.vocab_size, [prompt_len], device)
-    rollout = generate(policy, ids, mask, max_new_tokens=args.new_tokens, num_samples=group,
+    compressor = None if mode == "dense" else C.make_compressor(
+        "prefill_then_decode", args.budget, window=args.window, sinks=args.sinks
+    )
+    rollout = generate(policy, ids, mask, compressor=compressor, max_new_tokens=new_tokens, num_samples=group,
                        generator=torch.Generator(device=device).manual_seed(0))  # fmt: skip
     rewards = (torch.arange(group) % 3 == 0).float()
-    point: dict[str, Any] = {"prompt_len": prompt_len, "group": group}
+    row: dict[str, Any] = {"mode": mode, "prompt_len": prompt_len, "group": group, "new_tokens": new_tokens}
     for layout in LAYOUTS:
-        module = GRPOModule(policy, mode="dense", logits_chunk_size=1024, learner_layout=layout)
+        module = GRPOModule(policy, mode=mode, compressor=compressor, kl_coef=args.kl_coef, logits_chunk_size=1024,
+                            learner_layout=layout)  # fmt: skip
         experience = module.make_experience(rollout, rewards, group_size=group)
         params = {p.untyped_storage().data_ptr() for p in policy.parameters()}
         policy.zero_grad(set_to_none=True)
@@ -244,26 +252,31 @@ def _curve_point(policy, args, prompt_len: int, group: int, device) -> dict[str,
             loss = module.training_step(experience, 0)
         loss.backward()
         C.synchronize(device)
-        point[f"{layout}_s"], point[f"{layout}_activation_bytes"] = time.perf_counter() - start, saved[0]
+        row[f"{layout}_s"], row[f"{layout}_activation_bytes"] = time.perf_counter() - start, saved[0]
     policy.zero_grad(set_to_none=True)
-    return point
+    return row
 
 
 def _curve_table(points: list[dict[str, Any]]) -> str:
-    headers = ["prompt", "G", "per_row learner s", "shared_prefix learner s", "speed-up", "per_row activation MiB",
-               "shared_prefix activation MiB", "activation saving"]  # fmt: skip
-    lines = [[p["prompt_len"], p["group"], C.fmt(p["per_row_s"]), C.fmt(p["shared_prefix_s"]),
-              _ratio(p["per_row_s"], p["shared_prefix_s"]) + "x", C.mib(p["per_row_activation_bytes"]),
-              C.mib(p["shared_prefix_activation_bytes"]),
+    headers = ["mode", "prompt", "G", "new tokens", "per_row learner s", "shared_prefix learner s", "speed-up",
+               "per_row activation MiB", "shared_prefix activation MiB", "activation saving"]  # fmt: skip
+    lines = [[p["mode"], p["prompt_len"], p["group"], p["new_tokens"], C.fmt(p["per_row_s"]),
+              C.fmt(p["shared_prefix_s"]), _ratio(p["per_row_s"], p["shared_prefix_s"]) + "x",
+              C.mib(p["per_row_activation_bytes"]), C.mib(p["shared_prefix_activation_bytes"]),
               _ratio(p["per_row_activation_bytes"], p["shared_prefix_activation_bytes"]) + "x"]
              for p in points]  # fmt: skip
     return C.markdown_table(headers, lines)
 
 
-def _curve_points(args) -> list[tuple[int, int]]:
-    """(prompt length, G): the prompt lengths at ``--num-samples``, then the group sizes at the first prompt length."""
-    points = [(length, args.num_samples) for length in args.curve_prompt_lens]
-    return points + [(args.prompt_lens[0], group) for group in args.curve_groups if group != args.num_samples]
+def _curve_points(args) -> list[tuple[str, int, int, int]]:
+    """(mode, prompt length, G, new tokens): the dense learner over ``--curve-prompt-lens`` at ``--num-samples``,
+    then over ``--curve-groups`` at the first prompt length; then SMD's over ``--curve-new-tokens`` at the first
+    curve prompt length (long completions: the packed slot attention's cost grows with ``W + N`` per slot)."""
+    points = [("dense", length, args.num_samples, args.new_tokens) for length in args.curve_prompt_lens]
+    points += [("dense", args.prompt_lens[0], group, args.new_tokens) for group in args.curve_groups
+               if group != args.num_samples]  # fmt: skip
+    short = args.curve_prompt_lens[0] if args.curve_prompt_lens else args.prompt_lens[0]
+    return points + [("smd", short, args.num_samples, new) for new in args.curve_new_tokens]
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -281,7 +294,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     config = C.model_config(
         vocab_size=args.vocab_size, hidden_size=args.hidden_size, num_layers=args.num_layers,
         num_heads=args.num_heads, num_kv_heads=args.num_kv_heads, head_dim=args.hidden_size // args.num_heads,
-        max_position_embeddings=max(32768, max(args.prompt_lens + [p for p, _ in curve]) + args.new_tokens),
+        max_position_embeddings=max(32768, max(args.prompt_lens + [p for _, p, _, _ in curve])
+        + max([args.new_tokens, *args.curve_new_tokens])),
     )  # fmt: skip
     policy = C.build_model("qwen3", config, C.DTYPES[args.dtype], device)
     print(f"# Learner overhead: full GRPO iterations per mode and learner layout\n\n{C.describe(env)}")
@@ -310,9 +324,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                           f"learner {row['learner_s']:.2f} s", file=sys.stderr)  # fmt: skip
             C.write_json(args.json, payload)
             del runners
-        for prompt_len, group in curve:
-            payload["curve"].append(_curve_point(policy, args, prompt_len, group, device))
-            print(f"  curve prompt {prompt_len} G {group}: done", file=sys.stderr)
+        for point in curve:
+            payload["curve"].append(_curve_point(policy, args, point, device))
+            print(f"  curve {point}: done", file=sys.stderr)
             C.write_json(args.json, payload)
     except KeyboardInterrupt:
         C.interrupted(payload, args.json)
@@ -323,8 +337,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     if payload["curve"]:
         text += (
-            f"\n\n## Dense learner step: per-row against shared-prefix\n\n{args.new_tokens} new tokens, one prompt "
-            "per point, forward + backward of training_step (one step per point, after the iterations above).\n\n"
+            "\n\n## Learner step: per-row against shared-prefix\n\nOne prompt per point, forward + backward of "
+            "training_step (one step per point, after the iterations above): the dense learner over prompt length and "
+            "G, then SMD's (shadow-masked pass, dense teacher, KL) over the completion length.\n\n"
             + _curve_table(payload["curve"])
         )
     print(text)

@@ -46,7 +46,7 @@ QUICK_ARGS = {
               "--compressors", "recent", "--window", "8", "--repeats", "1"],
     "learner_overhead": [*_TINY_MODEL, "--vocab-size", "256", "--prompt-lens", "64", "--new-tokens", "4",
                          "--num-samples", "2", "--window", "4", "--sinks", "1", "--repeats", "1",
-                         "--curve-prompt-lens", "48", "--curve-groups", "3"],
+                         "--curve-prompt-lens", "48", "--curve-groups", "3", "--curve-new-tokens", "12"],
     "masked_attention": ["--models", "tiny", "--seq-lens", "128", "--repeats", "1"],
     "kl_loss": ["--vocab", "1024", "--tokens", "64", "--hidden", "64", "--repeats", "1"],
     "teacher_cache": ["--vocab-size", "1024", "--max-new-tokens", "8", "--steps", "1"],

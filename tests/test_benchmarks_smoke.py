@@ -80,4 +80,6 @@ def test_learner_overhead_benchmark(run_all, tmp_path):
         assert min(row["rollout_s"], row["learner_s"], row["activation_bytes"]) > 0
     for mode in modes:  # G = 2: the shared prompt is encoded once instead of twice
         assert results[mode, "shared_prefix"]["activation_bytes"] < results[mode, "per_row"]["activation_bytes"]
-    assert [(p["prompt_len"], p["group"]) for p in payload["curve"]] == [(48, 2), (64, 3)]
+    curve = [(p["mode"], p["prompt_len"], p["group"], p["new_tokens"]) for p in payload["curve"]]
+    assert curve == [("dense", 48, 2, 4), ("dense", 64, 3, 4), ("smd", 48, 2, 12)]
+    assert all(p[f"{layout}_activation_bytes"] > 0 for p in payload["curve"] for layout in ("per_row", "shared_prefix"))

@@ -55,6 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--task", choices=sorted(smd_table.TASKS), default="retrieval")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help=f"default {smd_table.SEEDS}")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--rl-steps", type=int, default=None, help="GRPO steps after each distillation (default 150)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the pipeline end to end")
     args = parser.parse_args(argv)
     shared = ["--out", args.out, "--jobs", str(args.jobs), "--task", args.task]
@@ -62,7 +63,7 @@ def main(argv: list[str] | None = None) -> None:
     shared += ["--quick"] if args.quick else []
     start, cpu_start = time.perf_counter(), os.times()
     smd_table.main(shared)
-    distill_table.main(shared)
+    distill_table.main(shared + (["--rl-steps", str(args.rl_steps)] if args.rl_steps else []))
     wall, cpu_end = time.perf_counter() - start, os.times()
     cpu = (cpu_end.children_user + cpu_end.children_system) - (cpu_start.children_user + cpu_start.children_system)
     if args.publish is None:

@@ -525,6 +525,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--jobs", type=int, default=2, help="runs at a time (one torch thread each)")
     parser.add_argument("--warmup-max-steps", type=int, default=None, help="cap of the warm-up (default: its config)")
     parser.add_argument("--eval-prompts", type=int, default=None, help="held-out prompts per evaluation")
+    parser.add_argument("--learner-layout", choices=["shared_prefix", "per_row"], default=None,
+                        help="GRPOModule learner_layout of every RL run (default: the config's, shared_prefix)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the pipeline end to end")
     args = parser.parse_args(argv)
     defaults = {"seeds": SEEDS, "steps": 150, "budgets": [0.5, 0.3], "selections": list(SELECTIONS),
@@ -534,6 +536,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             setattr(args, name, value)
     out = Path(args.out)
     configure(args.task, args.eval_prompts, args.quick)
+    if args.learner_layout:
+        _RL_EXTRA.extend(["--model.init_args.learner_layout", args.learner_layout])
     for stage in warmup_stages(out, args.seeds, args.warmup_max_steps):
         run_cells(stage, out, args.jobs)
     compressed_modes = [m for m in args.modes if m != "dense"]
