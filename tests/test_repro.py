@@ -192,6 +192,23 @@ def test_paired_differences_resolve_only_intervals_that_exclude_zero(repro):
     assert "| 50% | snapkv | smd λ=0.1 − naive | 3 | +0.150 ± 0.124 | yes |" in text
 
 
+def test_distill_comparisons_pair_cells_by_seed(repro):
+    distill = repro["distill"]
+    metrics = dict.fromkeys(distill.COMPARED_METRICS, [0.0, 0.0, 0.0])
+    rows = [
+        {"cell": "teacher-forward", "seeds": [0, 1, 2], **metrics, "rl_dense_gain": [0.3, 0.2, None]},
+        {"cell": "teacher-reverse", "seeds": [1, 2, 3], **metrics, "rl_dense_gain": [0.1, 0.1, 0.9]},
+    ]
+    text, found = distill.comparisons(rows)
+    gain = next(f for f in found if f["metric"] == "Δ under dense GRPO")
+    assert (gain["a"], gain["b"]) == ("teacher-forward", "teacher-reverse")
+    assert gain["differences"] == [pytest.approx(0.1)]  # seed 1 only: seed 2 lacks a value, 0 and 3 a partner
+    assert gain["half_width"] is None and not gain["resolved"]
+    accuracy = next(f for f in found if f["metric"] == "acc after distillation")
+    assert accuracy["differences"] == [0.0, 0.0] and not accuracy["resolved"]  # seeds 1 and 2: zero spread, no lead
+    assert "| teacher-forward − teacher-reverse | Δ under dense GRPO | 1 | +0.100 | no |" in text
+
+
 def test_distill_table_reports_both_rl_follow_ups_and_the_curriculum(repro):
     distill = repro["distill"]
     ladder = [[0, 8.0], [20, 8.0], [40, 16.0], [60, 16.0], [80, 32.0]]

@@ -11,7 +11,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-__all__ = ["Interval", "mean_interval", "t_quantile"]
+__all__ = ["Interval", "mean_interval", "paired_difference", "t_quantile"]
 
 
 def _central_probability(t: float, dof: int) -> float:
@@ -89,3 +89,21 @@ def mean_interval(values: list[float | None], confidence: float = 0.95) -> Inter
         return Interval(mean, None, 1)
     half = t_quantile(confidence, n - 1) * statistics.stdev(present) / math.sqrt(n)
     return Interval(mean, half, n)
+
+
+def paired_difference(
+    first: dict[int, float | None], second: dict[int, float | None], confidence: float = 0.95
+) -> dict[str, object] | None:
+    """Seed-paired differences ``first[s] - second[s]`` over the seeds both hold a value for (same warm-up and data
+    per seed), their mean and t interval, and whether the interval excludes 0 (``resolved``).
+
+    Returns:
+        ``{"differences", "mean", "half_width", "resolved"}``, or None when no seed has both values.
+    """
+    diffs = [value - second[seed] for seed, value in first.items()
+             if value is not None and second.get(seed) is not None]  # fmt: skip
+    stats = mean_interval(diffs, confidence)
+    if stats is None:
+        return None
+    resolved = stats.half_width is not None and (stats.low > 0 or stats.high < 0)
+    return {"differences": diffs, "mean": stats.mean, "half_width": stats.half_width, "resolved": resolved}

@@ -41,6 +41,7 @@ sys.path.insert(0, str(HERE))
 
 import smd_table  # noqa: E402
 from _runner import ROOT, Cell, run_cells  # noqa: E402
+from _stats import paired_difference  # noqa: E402
 from smd_table import (  # noqa: E402
     EVAL,
     SEEDS,
@@ -145,6 +146,46 @@ def curriculum_steps(scalars: dict[str, list[list[float]]]) -> tuple[float | Non
     points = scalars.get("distill/max_new_tokens") or []
     changes = [int(step) for (step, value), (_, before) in zip(points[1:], points, strict=False) if value != before]
     return (points[-1][1] if points else None), changes
+
+
+COMPARISONS = (
+    ("teacher-forward", "teacher-reverse"), ("student-forward", "student-reverse"),
+    ("student-forward", "teacher-forward"), ("student-reverse", "teacher-reverse"),
+    ("mix-0.8-0.2", "student-forward"), ("mix-0.8-0.2+curriculum", "mix-0.8-0.2"),
+    ("teacher-forward", "none"), ("student-forward", "none"),
+)  # fmt: skip
+"""Cell pairs compared (first minus second, paired by seed) on every metric of `COMPARED_METRICS`."""
+COMPARED_METRICS = {
+    "accuracy": "acc after distillation", "entropy": "entropy after distillation",
+    "rl_dense_accuracy": "acc after dense GRPO", "rl_dense_gain": "Δ under dense GRPO",
+    "rl_smd_accuracy": "acc after SMD-GRPO (compressed)", "rl_smd_gain": "Δ under SMD-GRPO",
+}  # fmt: skip
+
+
+def comparisons(rows: list[dict]) -> tuple[str, list[dict[str, Any]]]:
+    """Seed-paired differences between the `COMPARISONS` cells on each metric (markdown and records)."""
+    by_cell = {row["cell"]: row for row in rows}
+    found = []
+    for first, second in COMPARISONS:
+        a, b = by_cell.get(first), by_cell.get(second)
+        if a is None or b is None:
+            continue
+        for metric, label in COMPARED_METRICS.items():
+            paired = paired_difference(dict(zip(a["seeds"], a[metric], strict=True)),
+                                       dict(zip(b["seeds"], b[metric], strict=True)))  # fmt: skip
+            if paired is not None:
+                found.append({"a": first, "b": second, "metric": label, **paired})
+    lines = [
+        "Seed-paired differences (first minus second cell), mean ± 95% t interval over seeds; 'resolved' = the "
+        "interval excludes 0.\n",
+        "| comparison | metric | seeds | difference | resolved |",
+        "|---|---|---|---|---|",
+    ]
+    for f in found:
+        half = "" if f["half_width"] is None else f" ± {f['half_width']:.3f}"
+        lines.append(f"| {f['a']} − {f['b']} | {f['metric']} | {len(f['differences'])} | {f['mean']:+.3f}{half} "
+                     f"| {'yes' if f['resolved'] else 'no'} |")  # fmt: skip
+    return "\n".join(lines) + "\n", found
 
 
 def _pass_n(evaluation: dict[str, Any]) -> str:
@@ -293,9 +334,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     results |= run_cells(rl_cells(out, args.seeds, args.cells, args.rl_steps), out, args.jobs)
     compressed_start_accuracy(out, results)
     table, rows = summarise(results, args.seeds, args.cells)
-    print(table)
+    compared, found = comparisons(rows)
+    print(table + "\n" + compared)
     atomic_write_text(out / "distill_table.md", table)
-    summary = {"task": args.task, "rows": rows, "args": vars(args)}
+    atomic_write_text(out / "distill_comparisons.md", compared)
+    summary = {"task": args.task, "rows": rows, "comparisons": found, "args": vars(args)}
     atomic_write_text(out / "distill_table.json", json.dumps(summary, indent=1))
     plot_curves(results, out / "distill_curves.png", args.seeds[0])
     return {"table": table, "rows": rows}

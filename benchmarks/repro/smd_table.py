@@ -49,7 +49,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _runner import ROOT, Cell, run_cells  # noqa: E402
-from _stats import mean_interval  # noqa: E402
+from _stats import mean_interval, paired_difference  # noqa: E402
 
 from lit_smd.atomic import atomic_write_text  # noqa: E402
 
@@ -405,18 +405,14 @@ def paired_differences(rows: list[dict], metric: str = "acc_after") -> list[dict
             b = by_key.get((compression, selection, mode_b, lam_b))
             if a is None or b is None:
                 continue
-            values_b = dict(zip(b["seeds"], b[metric], strict=True))
-            diffs = [v - values_b[s] for s, v in zip(a["seeds"], a[metric], strict=True)
-                     if v is not None and values_b.get(s) is not None]  # fmt: skip
-            stats = mean_interval(diffs)
-            if stats is None:
+            paired = paired_difference(dict(zip(a["seeds"], a[metric], strict=True)),
+                                       dict(zip(b["seeds"], b[metric], strict=True)))  # fmt: skip
+            if paired is None:
                 continue
             found.append({
                 "compression": compression, "selection": selection, "metric": metric,
                 "a": f"{mode_a}" + ("" if lam_a is None else f" λ={lam_a}"),
-                "b": f"{mode_b}" + ("" if lam_b is None else f" λ={lam_b}"),
-                "differences": diffs, "mean": stats.mean, "half_width": stats.half_width,
-                "resolved": stats.half_width is not None and (stats.low > 0 or stats.high < 0),
+                "b": f"{mode_b}" + ("" if lam_b is None else f" λ={lam_b}"), **paired,
             })  # fmt: skip
     return found
 
