@@ -190,6 +190,11 @@ def test_paired_differences_resolve_only_intervals_that_exclude_zero(repro):
     assert not found[("naive", "sparse_rl")]["resolved"]  # differences -0.2, 0.05, 0.2
     text = smd.comparisons_table(list(found.values()))
     assert "| 50% | snapkv | smd λ=0.1 − naive | 3 | +0.150 ± 0.124 | yes |" in text
+    dense = {"compression": "0%", "selection": "-", "seeds": [0, 1, 2], "mode": "dense", "lambda": None,
+             "acc_after": [0.6, 0.7, 0.8]}  # fmt: skip
+    found = {(f["a"], f["b"]): f for f in smd.paired_differences([*rows, dense])}
+    assert found[("smd λ=0.1", "dense")]["differences"] == [0.0, 0.0, 0.0]  # compared with the uncompressed run
+    assert found[("naive", "dense")]["mean"] == pytest.approx(-0.15)
 
 
 def test_distill_comparisons_pair_cells_by_seed(repro):

@@ -389,8 +389,11 @@ COMPARISONS = (
     (("naive", None), ("sparse_rl", None)),
     (("smd", DEFAULT_LAMBDA), ("smd", 0.0)),
     (("smd", DEFAULT_LAMBDA), ("smd", 0.8)),
+    (("smd", DEFAULT_LAMBDA), ("dense", None)),
+    (("naive", None), ("dense", None)),
 )
-"""(mode, lambda) pairs compared at each compression setting, first minus second."""
+"""(mode, lambda) pairs compared at each compression setting, first minus second; ``dense`` is the uncompressed run
+(trained and served densely), so those rows ask how close a compressed sampler gets to dense training."""
 
 
 def paired_differences(rows: list[dict], metric: str = "acc_after") -> list[dict[str, Any]]:
@@ -402,7 +405,7 @@ def paired_differences(rows: list[dict], metric: str = "acc_after") -> list[dict
     for compression, selection in settings:
         for (mode_a, lam_a), (mode_b, lam_b) in COMPARISONS:
             a = by_key.get((compression, selection, mode_a, lam_a))
-            b = by_key.get((compression, selection, mode_b, lam_b))
+            b = by_key.get(("0%", "-", "dense", None) if mode_b == "dense" else (compression, selection, mode_b, lam_b))
             if a is None or b is None:
                 continue
             paired = paired_difference(dict(zip(a["seeds"], a[metric], strict=True)),
