@@ -11,7 +11,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-__all__ = ["Interval", "mean_interval", "paired_difference", "t_quantile"]
+__all__ = ["Interval", "difference_cells", "mean_interval", "paired_difference", "t_quantile"]
 
 
 def _central_probability(t: float, dof: int) -> float:
@@ -107,3 +107,10 @@ def paired_difference(
         return None
     resolved = stats.half_width is not None and (stats.low > 0 or stats.high < 0)
     return {"differences": diffs, "mean": stats.mean, "half_width": stats.half_width, "resolved": resolved}
+
+
+def difference_cells(paired: dict[str, object]) -> str:
+    """The markdown cells ``seeds | mean ± half width | yes/no`` of a `paired_difference` result."""
+    half = "" if paired["half_width"] is None else f" ± {paired['half_width']:.3f}"
+    verdict = "yes" if paired["resolved"] else "no"
+    return f"{len(paired['differences'])} | {paired['mean']:+.3f}{half} | {verdict}"

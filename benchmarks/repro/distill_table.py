@@ -41,7 +41,7 @@ sys.path.insert(0, str(HERE))
 
 import smd_table  # noqa: E402
 from _runner import ROOT, Cell, run_cells  # noqa: E402
-from _stats import paired_difference  # noqa: E402
+from _stats import difference_cells, paired_difference  # noqa: E402
 from smd_table import (  # noqa: E402
     EVAL,
     SEEDS,
@@ -181,10 +181,7 @@ def comparisons(rows: list[dict]) -> tuple[str, list[dict[str, Any]]]:
         "| comparison | metric | seeds | difference | resolved |",
         "|---|---|---|---|---|",
     ]
-    for f in found:
-        half = "" if f["half_width"] is None else f" ± {f['half_width']:.3f}"
-        lines.append(f"| {f['a']} − {f['b']} | {f['metric']} | {len(f['differences'])} | {f['mean']:+.3f}{half} "
-                     f"| {'yes' if f['resolved'] else 'no'} |")  # fmt: skip
+    lines += [f"| {f['a']} − {f['b']} | {f['metric']} | {difference_cells(f)} |" for f in found]
     return "\n".join(lines) + "\n", found
 
 
@@ -313,14 +310,14 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help=f"default {SEEDS}")
     parser.add_argument("--cells", nargs="+", choices=list(CELLS), default=list(CELLS))
     parser.add_argument("--distill-steps", type=int, default=None, help="default 600")
-    parser.add_argument("--rl-steps", type=int, default=None, help="GRPO steps after distillation (default 150)")
+    parser.add_argument("--rl-steps", type=int, default=None, help="GRPO steps after distillation (default 100)")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--warmup-max-steps", type=int, default=None, help="cap of the warm-ups and the teacher")
     parser.add_argument("--eval-prompts", type=int, default=None)
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the pipeline end to end")
     args = parser.parse_args(argv)
     quick = {"seeds": [0], "distill_steps": 2, "rl_steps": 2, "warmup_max_steps": 2, "eval_prompts": 4}
-    defaults = {"seeds": SEEDS, "distill_steps": 600, "rl_steps": 150}
+    defaults = {"seeds": SEEDS, "distill_steps": 600, "rl_steps": 100}
     for name, value in {**defaults, **(quick if args.quick else {})}.items():
         if getattr(args, name) is None:
             setattr(args, name, value)

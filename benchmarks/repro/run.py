@@ -55,7 +55,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--task", choices=sorted(smd_table.TASKS), default="retrieval")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help=f"default {smd_table.SEEDS}")
     parser.add_argument("--jobs", type=int, default=2)
-    parser.add_argument("--rl-steps", type=int, default=None, help="GRPO steps after each distillation (default 150)")
+    parser.add_argument("--rl-steps", type=int, default=None, help="GRPO steps after each distillation (default 100)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the pipeline end to end")
     args = parser.parse_args(argv)
     shared = ["--out", args.out, "--jobs", str(args.jobs), "--task", args.task]

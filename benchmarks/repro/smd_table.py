@@ -49,7 +49,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _runner import ROOT, Cell, run_cells  # noqa: E402
-from _stats import mean_interval, paired_difference  # noqa: E402
+from _stats import difference_cells, mean_interval, paired_difference  # noqa: E402
 
 from lit_smd.atomic import atomic_write_text  # noqa: E402
 
@@ -428,13 +428,7 @@ def comparisons_table(found: list[dict[str, Any]]) -> str:
         "| compression | selection | comparison | seeds | difference | resolved |",
         "|---|---|---|---|---|---|",
     ]
-    for f in found:
-        half = "" if f["half_width"] is None else f" ± {f['half_width']:.3f}"
-        verdict = "yes" if f["resolved"] else "no"
-        lines.append(
-            f"| {f['compression']} | {f['selection']} | {f['a']} − {f['b']} | {len(f['differences'])} "
-            f"| {f['mean']:+.3f}{half} | {verdict} |"
-        )
+    lines += [f"| {f['compression']} | {f['selection']} | {f['a']} − {f['b']} | {difference_cells(f)} |" for f in found]
     return "\n".join(lines) + "\n"
 
 
