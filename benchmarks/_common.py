@@ -40,6 +40,12 @@ def add_threads_flag(parser, default: int | None) -> None:
     )
 
 
+def add_output_flags(parser) -> None:
+    """``--json`` (the results as JSON) and ``--markdown`` (the printed tables as a markdown file), both optional."""
+    parser.add_argument("--json", default=None, help="write the results to this path")
+    parser.add_argument("--markdown", default=None, help="also write the tables to this path")
+
+
 def apply_threads(threads: int | None, device: torch.device) -> None:
     if threads and device.type == "cpu":
         torch.set_num_threads(threads)

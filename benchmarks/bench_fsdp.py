@@ -133,8 +133,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--new-tokens", type=int, default=16)
     parser.add_argument("--budget", type=int, default=24, help="KV slots kept by the recent-window compressor")
     parser.add_argument("--lr", type=float, default=0.05)
-    parser.add_argument("--json")
-    parser.add_argument("--markdown")
+    C.add_output_flags(parser)
     args = parser.parse_args(argv)
     device = C.resolve_device(args.device)
     payload: dict[str, Any] = {"environment": C.environment(device), "args": vars(args), "results": []}

@@ -90,8 +90,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab-size", type=int, default=None)
     parser.add_argument("--dtype", choices=list(C.DTYPES), default=None)
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--markdown", default=None)
+    C.add_output_flags(parser)
     C.add_threads_flag(parser, default=1)
     return parser
 

@@ -290,8 +290,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--time-budget", type=float, default=None,
                         help="seconds; skip the remaining configurations once exceeded (results so far are kept)")
     C.add_threads_flag(parser, default=1)
-    parser.add_argument("--json", default=None, help="write the results to this path")
-    parser.add_argument("--markdown", default=None, help="also write the tables to this path")
+    C.add_output_flags(parser)
     return parser
 
 

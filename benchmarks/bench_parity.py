@@ -129,8 +129,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--hidden-size", type=int, default=64)
     parser.add_argument("--num-layers", type=int, default=2)
     C.add_threads_flag(parser, default=1)
-    parser.add_argument("--json", default=None, help="write the results to this path")
-    parser.add_argument("--markdown", default=None, help="also write the tables to this path")
+    C.add_output_flags(parser)
     return parser
 
 

@@ -61,8 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--dtype", default="float32", choices=list(C.DTYPES))
     C.add_threads_flag(parser, default=1)
-    parser.add_argument("--json", default=None, help="write the results to this path")
-    parser.add_argument("--markdown", default=None, help="also write the table to this path")
+    C.add_output_flags(parser)
     return parser
 
 

@@ -179,8 +179,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--vocab-size", type=int, default=None, help="default: 32000 on CUDA, 4096 on CPU")
     parser.add_argument("--dtype", default=None, choices=list(C.DTYPES), help="default: bfloat16 on CUDA, else float32")
     C.add_threads_flag(parser, default=1)
-    parser.add_argument("--json", default=None, help="write the results to this path")
-    parser.add_argument("--markdown", default=None, help="also write the table to this path")
+    C.add_output_flags(parser)
     return parser
 
 

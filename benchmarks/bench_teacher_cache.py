@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from _common import (
     DTYPES,
+    add_output_flags,
     add_threads_flag,
     apply_threads,
     describe,
@@ -71,8 +72,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--batch-size", type=int, default=None, help="default: 16 on CUDA, 4 on CPU")
     parser.add_argument("--max-new-tokens", type=int, default=None, help="default: 256 on CUDA, 32 on CPU")
     parser.add_argument("--steps", type=int, default=4, help="timed steps per variant (after one warm-up step)")
-    parser.add_argument("--json", default=None)
-    parser.add_argument("--markdown", default=None)
+    add_output_flags(parser)
     add_threads_flag(parser, default=1)
     args = parser.parse_args(argv)
     cuda = resolve_device(args.device).type == "cuda"
