@@ -30,11 +30,24 @@ from lit_smd.kv.prefix import PackedPlan
 from lit_smd.kv.shadow import NEVER
 from lit_smd.rollout import Rollout, completion_hidden_states
 
-__all__ = ["LEARNER_LAYOUTS", "LearnerLayout", "LearnerPass", "learner_hidden_states", "shareable_groups"]
+__all__ = [
+    "LEARNER_LAYOUTS",
+    "LearnerLayout",
+    "LearnerPass",
+    "check_learner_layout",
+    "learner_hidden_states",
+    "shareable_groups",
+]
 
 LearnerLayout = Literal["shared_prefix", "per_row"]
 LEARNER_LAYOUTS: tuple[str, ...] = ("shared_prefix", "per_row")
 Backend = Literal["auto", "sdpa", "flex"]
+
+
+def check_learner_layout(layout: object, name: str = "learner_layout") -> None:
+    """Raise a ``ValueError`` naming ``name`` unless ``layout`` is one of `LEARNER_LAYOUTS`."""
+    if layout not in LEARNER_LAYOUTS:
+        raise ValueError(f"{name} must be one of {LEARNER_LAYOUTS}, got {layout!r}")
 
 
 def shareable_groups(rollout: Rollout, *, shadow: bool) -> tuple[Tensor, Tensor]:
@@ -215,8 +228,7 @@ def learner_hidden_states(
     Raises:
         ValueError: ``layout`` is not one of `LEARNER_LAYOUTS`.
     """
-    if layout not in LEARNER_LAYOUTS:
-        raise ValueError(f"layout must be one of {LEARNER_LAYOUTS}, got {layout!r}")
+    check_learner_layout(layout, "layout")
     ensure_attention(model)
     none = torch.zeros(0, dtype=torch.long, device=rollout.prompt_ids.device)
     if layout == "per_row" or len(rollout) == 0:

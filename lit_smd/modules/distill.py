@@ -81,7 +81,7 @@ from lit_smd.datamodules.rollout import require_full_weights
 from lit_smd.datamodules.teacher_cache import CachedBatch, CacheMetadata, tokenizer_fingerprint
 from lit_smd.datamodules.teacher_cache_build import teacher_topk_logprobs
 from lit_smd.fsdp import fsdp_strategy, gathered, shard_model, unsharded_attribute
-from lit_smd.learner_layout import LEARNER_LAYOUTS, LearnerLayout, learner_hidden_states
+from lit_smd.learner_layout import LearnerLayout, check_learner_layout, learner_hidden_states
 from lit_smd.lora import LoraSettings, add_lora, check_lora, save_pretrained_merged
 from lit_smd.losses.grpo import masked_mean
 from lit_smd.losses.kl import chunked_token_kl, sampled_reverse_kl
@@ -191,8 +191,7 @@ class DistillModule(LightningModule):
         learner_layout: LearnerLayout = "shared_prefix",
     ) -> None:
         super().__init__()
-        if learner_layout not in LEARNER_LAYOUTS:
-            raise ValueError(f"learner_layout must be one of {LEARNER_LAYOUTS}, got {learner_layout!r}")
+        check_learner_layout(learner_layout)
         self.nonfinite_guard = NonFiniteGuard(on_nonfinite)
         check_distill_args(
             student, teacher, prefix_source, student_prefix_probability, forward_weight, reverse_weight, temperature,

@@ -98,7 +98,7 @@ from transformers import PreTrainedModel
 from lit_smd.datamodules.experience import Experience, PhaseListener, report_phase
 from lit_smd.fsdp import fsdp_strategy, is_sharded, shard_model
 from lit_smd.kv import Compressor
-from lit_smd.learner_layout import LEARNER_LAYOUTS, LearnerLayout, LearnerPass, learner_hidden_states
+from lit_smd.learner_layout import LearnerLayout, LearnerPass, check_learner_layout, learner_hidden_states
 from lit_smd.lora import LoraSettings, add_lora, check_lora, lora_disabled
 from lit_smd.losses.grpo import LossType, ScaleRewards, group_advantages, masked_mean, mismatch_stats, policy_loss
 from lit_smd.losses.kl import KLOutput, chunked_token_kl
@@ -229,8 +229,7 @@ class GRPOModule(LightningModule):
         learner_layout: LearnerLayout = "shared_prefix",
     ) -> None:
         super().__init__()
-        if learner_layout not in LEARNER_LAYOUTS:
-            raise ValueError(f"learner_layout must be one of {LEARNER_LAYOUTS}, got {learner_layout!r}")
+        check_learner_layout(learner_layout)
         self.nonfinite_guard = NonFiniteGuard(on_nonfinite)
         check_grpo_args(
             policy, reference, mode, compressor, reference_quantization, temperature, scale_rewards, loss_type,
