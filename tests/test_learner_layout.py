@@ -208,7 +208,7 @@ def test_grpo_module_layouts_give_the_same_experience_loss_and_gradients(model64
     for layout in ("per_row", "shared_prefix"):
         module = GRPOModule(copy.deepcopy(policy), mode=mode, compressor=compressor, beta=0.04, learner_layout=layout,
                             sparse_rl=sparse_rl, temperature=0.9, logits_chunk_size=16)  # fmt: skip
-        experience = module.make_experience(rollout, rewards, group_size=GROUP)
+        experience = module.make_experience(rollout, rewards, group_size=GROUP, num_iterations=2)  # pi_old computed
         module.policy.zero_grad()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # self.log outside a Trainer

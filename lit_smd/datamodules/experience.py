@@ -43,8 +43,9 @@ class Experience:
         advantages: ``[B]`` group-relative advantages, computed over the whole rollout batch.
         loss_mask: ``[B, N]`` bool, the tokens that enter the policy loss (completion tokens, minus masked truncated
             completions, minus Sparse-RL rejections).
-        old_logprobs: ``[B, N]`` the ratio's denominator, fixed at rollout time: the rollout log-probs (dense, smd,
-            mu_ratio), or the dense ``pi_old`` log-probs recomputed before any update (naive, sparse_rl).
+        old_logprobs: ``[B, N]`` the ratio's denominator, the learner's view before the batch's first update (one
+            no-grad pass, minibatch by minibatch; the sampler's ``mu`` for mu_ratio), or None when the batch is trained
+            in one on-policy step: the gradient pass's own detached log-probs are the denominator.
         token_weights: ``[B, N]`` per-token importance weights (Sparse-RL) or None.
         ref_logprobs: ``[B, N]`` reference log-probs under the learner's view, or None without a reference.
         reward_components: Each reward function's unweighted ``[B]`` values, by name.
@@ -157,6 +158,8 @@ class RolloutLearner(Protocol):
         group_size: int,
         reward_components: dict[str, Tensor] | None = None,
         max_completion_length: int | None = None,
+        num_iterations: int = 1,
+        minibatch_size: int | None = None,
     ) -> Experience:
         """Advantages, ratio denominators, reference log-probs and metrics of a scored rollout batch."""
         ...

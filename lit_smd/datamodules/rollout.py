@@ -117,7 +117,8 @@ class RolloutDataModule(ResumableDataModule):
             (``max_position_embeddings``) minus ``max_new_tokens``, applied when training starts. Either way
             ``max_prompt_tokens + max_new_tokens`` must fit in the context, and one batch's rollout cache in the free
             memory (`lit_smd.datamodules.limits`), or training stops before the first rollout naming the numbers.
-        num_iterations: Passes over each rollout batch (the ratio stays against the rollout-time policy).
+        num_iterations: Passes over each rollout batch (the ratio stays against the learner before the batch's
+            first update).
         minibatch_size: Completions per optimizer step; must divide ``prompts_per_step * num_generations``. None = the
             whole rollout batch.
         stop_tokens: Extra tokens that end a completion, besides the tokenizer's EOS, the policy's
@@ -441,6 +442,8 @@ class RolloutDataModule(ResumableDataModule):
             group_size=self.num_generations,
             reward_components=rewards.per_function,
             max_completion_length=self.max_new_tokens,
+            num_iterations=self.num_iterations,
+            minibatch_size=self.minibatch_size,
         )
         _synchronize(device)
         done = time.perf_counter()
@@ -485,6 +488,12 @@ class RolloutDataModule(ResumableDataModule):
         """``num_iterations`` passes of consecutive ``minibatch_size`` slices; batch metrics on the first only."""
         size = len(experience)
         step = self.minibatch_size or size
+        if experience.old_logprobs is None and (self.num_iterations > 1 or step < size):
+            raise ValueError(
+                "the learner built this Experience for one on-policy step (old_logprobs is None), but it is trained "
+                f"for num_iterations={self.num_iterations} in minibatches of {step} of {size} rows: pass "
+                "num_iterations and minibatch_size to make_experience"
+            )
         for iteration in range(self.num_iterations):
             for start in range(0, size, step):
                 part = experience if step == size else experience.select(slice(start, start + step))

@@ -1,4 +1,5 @@
-"""Loss math as plain PyTorch functions (no Lightning): GRPO, Sparse-RL, token-level KL, chunked log-probs."""
+"""Loss math as plain PyTorch functions (no Lightning): GRPO, rollout correction, Sparse-RL, token-level KL, chunked
+log-probs."""
 
 from lit_smd.losses.grpo import (
     MismatchStats,
@@ -12,12 +13,15 @@ from lit_smd.losses.grpo import (
 from lit_smd.losses.kl import KLOutput, chunked_token_kl, sampled_reverse_kl, token_kl
 from lit_smd.losses.kl_topk import topk_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
+from lit_smd.losses.rollout_correction import RolloutCorrection, RolloutCorrectionOutput, rollout_correction
 from lit_smd.losses.sparse_rl import SparseRLConfig, SparseRLCorrection, sparse_rl_correction
 
 __all__ = [
     "KLOutput",
     "MismatchStats",
     "PolicyLossOutput",
+    "RolloutCorrection",
+    "RolloutCorrectionOutput",
     "SparseRLConfig",
     "SparseRLCorrection",
     "chunked_token_kl",
@@ -26,6 +30,7 @@ __all__ = [
     "masked_mean",
     "mismatch_stats",
     "policy_loss",
+    "rollout_correction",
     "sampled_reverse_kl",
     "sparse_rl_correction",
     "token_kl",

@@ -8,6 +8,7 @@ from typing import get_args
 
 from lit_smd.kv import Compressor
 from lit_smd.losses.grpo import LossType, ScaleRewards
+from lit_smd.losses.rollout_correction import RolloutCorrection
 from lit_smd.losses.sparse_rl import SparseRLConfig
 from lit_smd.models import check_quantization
 from lit_smd.modules._common import check_model_args
@@ -29,6 +30,7 @@ def check_grpo_args(
     kl_coef: float,
     kl_stop_gradient: str,
     sparse_rl: object,
+    rollout_correction: object,
     logits_chunk_size: int,
     scoring_batch_size: int | None,
     model_dtype: str,
@@ -69,6 +71,16 @@ def check_grpo_args(
         raise ValueError(f"kl_stop_gradient must be 'dense' or 'masked', got {kl_stop_gradient!r}")
     if sparse_rl is not None and not isinstance(sparse_rl, SparseRLConfig):
         raise ValueError(f"sparse_rl must be a lit_smd.losses.SparseRLConfig or None, got {sparse_rl!r}")
+    if rollout_correction is not None and not isinstance(rollout_correction, RolloutCorrection):
+        raise ValueError(
+            f"rollout_correction must be a lit_smd.losses.RolloutCorrection or None, got {rollout_correction!r}"
+        )
+    if mode in ("sparse_rl", "mu_ratio") and rollout_correction is not None and rollout_correction.mode != "none":
+        own = "corrects on xi = pi_old / mu by its own rules" if mode == "sparse_rl" else "divides by the sampler's mu"
+        raise ValueError(
+            f"mode={mode!r} {own}; rollout_correction={rollout_correction.mode!r} would correct twice: drop it or "
+            "use RolloutCorrection('none')"
+        )
     if logits_chunk_size < 1:
         raise ValueError(f"logits_chunk_size must be >= 1, got {logits_chunk_size}")
     if scoring_batch_size is not None and scoring_batch_size < 1:
@@ -97,3 +109,18 @@ def check_rollout(mode: str, rollout: Rollout) -> None:
             "mode='dense' got a compressed rollout (it has a shadow mask); training a dense learner on it "
             "without correction is mode='naive'"
         )
+
+
+def check_minibatches(rows: int, num_iterations: int, minibatch_size: int | None) -> None:
+    """Check the training plan of a rollout batch of ``rows`` rows (`GRPOModule.make_experience`).
+
+    Raises:
+        ValueError: ``num_iterations`` is not an integer >= 1, or ``minibatch_size`` does not divide ``rows``.
+    """
+    if isinstance(num_iterations, bool) or not isinstance(num_iterations, int) or num_iterations < 1:
+        raise ValueError(f"num_iterations must be an integer >= 1, got {num_iterations!r}")
+    if minibatch_size is not None and (
+        isinstance(minibatch_size, bool) or not isinstance(minibatch_size, int) or minibatch_size < 1
+        or rows % minibatch_size != 0
+    ):  # fmt: skip
+        raise ValueError(f"minibatch_size={minibatch_size!r} must be None or a positive divisor of the {rows} rows")

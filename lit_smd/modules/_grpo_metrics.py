@@ -1,12 +1,14 @@
-"""The statistics `lit_smd.modules.GRPOModule.make_experience` attaches to each rollout batch.
+"""The statistics `lit_smd.modules.GRPOModule` logs about its rollout batches (docs/logged_keys.md).
 
-They are logged once per rollout batch, with its first minibatch: ``rollout/`` (rewards, advantages, lengths), ``kv/``
-(compressed rollouts) and ``sparse_rl/`` (the Sparse-RL correction) keys; see the `lit_smd.modules.grpo` docstring.
+``rollout/`` (rewards, advantages, lengths), ``kv/`` (compressed rollouts) and ``sparse_rl/`` (the Sparse-RL correction)
+are attached by `make_experience` and logged once per rollout batch, with its first minibatch; ``rollout_correction/``
+is computed and logged with every minibatch.
 """
 
 import torch
 from torch import Tensor
 
+from lit_smd.losses.rollout_correction import RolloutCorrectionOutput
 from lit_smd.losses.sparse_rl import SparseRLCorrection
 from lit_smd.rollout import Rollout
 
@@ -42,3 +44,11 @@ def sparse_rl_metrics(correction: SparseRLCorrection) -> dict[str, float]:
     """The ``sparse_rl/`` statistics of a rollout batch's Sparse-RL correction."""
     names = ("rejected_sequence_fraction", "masked_token_fraction", "weight_mean", "weight_min", "weight_max")
     return {f"sparse_rl/{name}": float(getattr(correction, name)) for name in names}
+
+
+def rollout_correction_metrics(correction: RolloutCorrectionOutput) -> dict[str, Tensor]:
+    """The ``rollout_correction/`` statistics of a minibatch (ratio ``pi_old / mu``, weights, what was dropped)."""
+    names = (
+        "ratio_mean", "ratio_min", "ratio_max", "weight_mean", "truncated_token_fraction", "masked_sequence_fraction",
+    )  # fmt: skip
+    return {f"rollout_correction/{name}": getattr(correction, name) for name in names}

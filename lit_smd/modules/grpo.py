@@ -12,25 +12,28 @@ Algorithm
     generated token could see. The modes differ in the learner's view and the correction:
 
     ==========  ==========  ==========================  ================================================================
-    mode        rollout     learner (with gradient)     ratio denominator and correction
+    mode        rollout     learner (with gradient)     ratio denominator ``pi_old`` and correction
     ==========  ==========  ==========================  ================================================================
-    dense       dense       dense                       rollout log-probs (dense sampler); none
-    naive       compressed  dense                       dense ``pi_old`` recomputed at rollout time; none (the standard
-                                                        learner of TRL / verl / slime on a compressed sampler)
-    mu_ratio    compressed  dense                       rollout log-probs ``mu``; none declared, but PPO's clip acts as
-                                                        a hidden one-sided importance correction (not a baseline of
-                                                        the papers; kept to compare with the tables before the fix)
-    sparse_rl   compressed  dense                       dense ``pi_old`` recomputed at rollout time; Sparse-RL veto,
-                                                        token mask and weights on ``xi = pi_old / mu``
-    smd         compressed  masked by ``M``             rollout log-probs ``mu`` (= ``pi_old^M``: exact replay);
+    dense       dense       dense                       the dense learner before the update; rollout correction
+                                                        (default ``sequence_mask``, TRL's) on ``pi_old / mu``
+    naive       compressed  dense                       the dense learner before the update; none (the standard learner
+                                                        of TRL / verl / slime on a compressed sampler)
+    mu_ratio    compressed  dense                       the sampler's ``mu``; none declared, but PPO's clip acts as a
+                                                        hidden one-sided importance correction (not a baseline of the
+                                                        papers; kept to compare with the tables before the fix)
+    sparse_rl   compressed  dense                       the dense learner before the update; Sparse-RL veto, token mask
+                                                        and weights on ``xi = pi_old / mu``
+    smd         compressed  masked by ``M``             the masked learner ``pi_old^M`` before the update; rollout
+                                                        correction (default ``sequence_mask``) on ``pi_old^M / mu``;
                                                         ``+ kl_coef * KL(sg[pi_theta(.|x)] || pi_theta(.|x, M))``
     ==========  ==========  ==========================  ================================================================
 
     SMD (Zhu et al., "Shadow Mask Distillation", arXiv 2605.06850) replays ``M`` in the learner's attention, so the
-    learner's log-probs equal the sampler's and the first-pass ratio is 1: no off-policy gap, nothing to reweight. A
-    second forward of the same weights without the mask, under ``no_grad``, is the teacher of a full-vocabulary token
-    KL that keeps the compressed view close to the dense one (``lit_smd.losses.kl.chunked_token_kl``, computed in
-    chunks so the ``[tokens, vocab]`` logits of both passes are never all alive at once). Sparse-RL (Luo et al.,
+    learner's log-probs equal the sampler's up to kernel rounding (float64 ~1e-14, float32 ~1e-5, bfloat16 up to
+    ~0.1-0.3: the decode step and the teacher-forced pass run different kernels), with no off-policy gap. A second
+    forward of the same weights without the mask, under ``no_grad``, is the teacher of a full-vocabulary token KL that
+    keeps the compressed view close to the dense one (``lit_smd.losses.kl.chunked_token_kl``, computed in chunks so
+    the ``[tokens, vocab]`` logits of both passes are never all alive at once). Sparse-RL (Luo et al.,
     arXiv 2601.10079) keeps a dense learner and corrects with rejection and truncated importance weights
     (`lit_smd.losses.sparse_rl`).
 
@@ -45,12 +48,15 @@ Departures and choices (from the papers, TRL and the SMD repository)
       the official Sparse-RL recipe; TRL's default is ``"dapo"``. All modes use the configured one.
     - Sparse-RL's correction (veto, token bounds, weight normalisation) is computed once per rollout batch in
       `make_experience`, over the whole batch as the paper normalises, and reused by every minibatch and iteration.
-    - ``num_iterations`` passes (run by the data side, see `lit_smd.datamodules.RolloutDataModule`) keep the
-      rollout-time denominators: ``mu`` (dense / mu_ratio / smd) or the rollout-time dense ``pi_old`` (naive /
-      sparse_rl). For smd ``mu`` is exactly ``pi_old^M``, the masked policy before the update.
-    - ``naive`` is the standard learner (TRL, verl, slime, and the decomposition Sparse-RL assumes): the ratio divides
-      by the dense policy's own log-probs before the update, so it is exactly 1 on the first pass with
-      ``num_iterations=1`` and the sampler's ``mu`` enters nowhere. ``mu_ratio`` divides by ``mu`` instead (this
+    - The ratio divides by the learner's own view before the update, never by the sampler's ``mu`` (except
+      ``mu_ratio``), as TRL and verl do: on-policy (``num_iterations=1``, one minibatch per rollout batch) by the
+      detached log-probs of the gradient pass itself (no extra forward), so the first pass's ratio is exactly 1 in
+      every dtype; otherwise by one no-grad pass per rollout batch in `make_experience`, run minibatch by minibatch in
+      the gradient pass's layout and kernels (bit-equal to it before the first update). What remains between ``mu``
+      and that view is the named ``rollout_correction`` (`lit_smd.losses.rollout_correction`) and the ``mismatch/``
+      keys.
+    - ``naive`` is the standard learner (TRL, verl, slime, and the decomposition Sparse-RL assumes): the dense learner
+      with no rollout correction, so the sampler's ``mu`` enters nowhere. ``mu_ratio`` divides by ``mu`` instead (this
       project's "naive" before the fix): the ratio ``pi_theta / mu`` then carries the sampler-learner gap, and PPO's
       clip truncates it one-sidedly, a hidden importance correction. It is an option for comparison, never a baseline.
     - The reference KL uses the learner's view: the reference scores the masked view in smd mode and the dense view
@@ -69,20 +75,16 @@ Departures and choices (from the papers, TRL and the SMD repository)
       deterministic learner.
     - Log-probs are of the temperature-scaled full-vocabulary distribution, at rollout and learner alike; with
       top-p / top-k sampling the recorded values are not the sampler's exact (truncated) probabilities.
-    - ``mismatch/`` compares the learner view's log-probs with the rollout's on the first pass over each batch only
-      (later minibatches of that pass also see the updates of the earlier ones).
+    - Rollout correction defaults (``rollout_correction=None``): dense and smd take TRL's default for a sampler that
+      is not the trainer's own pass, ``sequence_mask`` with ``clip_max=3`` (a row whose sampler was more than 3x off
+      leaves the loss; in float32 and float64 it never triggers); naive is by definition uncorrected (``none``);
+      sparse_rl corrects with its own rules and mu_ratio divides by ``mu``, so both refuse any other than ``none``.
+    - ``mismatch/`` compares the sampler's ``mu`` with the learner's view before the update (the ratio's denominator)
+      on the first pass over each batch; for mu_ratio, with the gradient pass (later minibatches of that pass also
+      see the updates of the earlier ones).
 
-Logged keys (TensorBoard, every training step unless noted)
-    ``train/loss``, ``train/policy_loss``, ``train/kl_ref``, ``train/entropy``, ``train/clip_fraction``,
-    ``train/clip_low_fraction``, ``train/clip_high_fraction``, ``train/ratio_mean|min|max``, ``smd/kl`` (smd),
-    ``mismatch/logprob_abs_diff_mean|max``, ``mismatch/k3_kl`` (first pass), ``time/learner_s``, and once per rollout
-    batch (with its first minibatch): ``rollout/reward_mean|std``, ``rollout/reward/<fn>``,
-    ``rollout/advantage_mean|std|abs_max``, ``rollout/zero_std_group_fraction``,
-    ``rollout/completion_length_mean|max``, ``rollout/truncated_fraction``, ``kv/visible_fraction`` (compressed
-    rollouts), ``sparse_rl/rejected_sequence_fraction|masked_token_fraction|weight_mean|weight_min|weight_max``
-    (sparse_rl), and whatever the data side adds (``time/rollout_s``, ...); ``train/nonfinite_skipped_steps`` with
-    ``on_nonfinite="skip"``. Under DDP each value is reduced over the ranks: ``*_max`` / ``*_min`` keys by max / min,
-    the others by the mean of the per-rank values (see docs/distributed.md).
+Logged keys: docs/logged_keys.md (every ``train/``, ``rollout/``, ``rollout_correction/``, ``kv/``, ``mismatch/``,
+``smd/``, ``sparse_rl/`` and ``time/`` key of GRPO, its meaning and when it is logged).
 """
 
 import copy
@@ -103,6 +105,7 @@ from lit_smd.lora import LoraSettings, add_lora, check_lora, lora_disabled
 from lit_smd.losses.grpo import LossType, ScaleRewards, group_advantages, masked_mean, mismatch_stats, policy_loss
 from lit_smd.losses.kl import KLOutput, chunked_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
+from lit_smd.losses.rollout_correction import RolloutCorrection, rollout_correction
 from lit_smd.losses.sparse_rl import SparseRLConfig, sparse_rl_correction
 from lit_smd.models import Quantization, load_causal_lm
 from lit_smd.modules._common import (
@@ -117,8 +120,8 @@ from lit_smd.modules._common import (
     freeze,
     prepare_trainable,
 )
-from lit_smd.modules._grpo_checks import check_grpo_args, check_rollout
-from lit_smd.modules._grpo_metrics import rollout_metrics, sparse_rl_metrics
+from lit_smd.modules._grpo_checks import check_grpo_args, check_minibatches, check_rollout
+from lit_smd.modules._grpo_metrics import rollout_correction_metrics, rollout_metrics, sparse_rl_metrics
 from lit_smd.rollout import Rollout
 
 __all__ = ["GRPOModule", "Mode"]
@@ -175,12 +178,18 @@ class GRPOModule(LightningModule):
         kl_stop_gradient: Which side of the SMD KL is behind the stop-gradient: ``"dense"`` (the project's objective)
             or ``"masked"`` (the SMD README's).
         sparse_rl: Sparse-RL bounds (sparse_rl only); None means the official defaults.
+        rollout_correction: The correction of what remains between the sampler's ``mu`` and the learner's view
+            before the update (`lit_smd.losses.RolloutCorrection`: ``none``, ``token_truncate`` (TIS) or
+            ``sequence_mask``, with ``clip_max`` / ``clip_min``); None means the mode's default: ``sequence_mask``
+            with ``clip_max=3`` (TRL's) for dense and smd, ``none`` for naive, sparse_rl and mu_ratio (which refuse
+            any other).
         optimizer: Optimizer factory called with the policy's trainable parameters; None means AdamW with lr 1e-6
             and no weight decay (TRL / verl defaults).
         lr_scheduler: Optional scheduler factory called with the optimizer, stepped every optimizer step.
         logits_chunk_size: Rows of ``[rows, vocab]`` logits projected at a time (log-probs, entropy, SMD KL).
-        scoring_batch_size: Rows per no-grad forward when `make_experience` scores old / reference log-probs; None
-            scores the whole rollout batch at once.
+        scoring_batch_size: Rows per no-grad forward when `make_experience` scores reference log-probs; None scores
+            the whole rollout batch at once. (``pi_old`` is scored one training minibatch at a time, as the gradient
+            pass runs.)
         model_dtype: Parameter dtype when ``policy`` / ``reference`` is loaded from a path.
         gradient_checkpointing: Enable the policy's activation checkpointing.
         lora: Train LoRA adapters (`lit_smd.lora.LoraSettings`: ``r``, ``alpha``, ``dropout``, ``target_modules``)
@@ -217,6 +226,7 @@ class GRPOModule(LightningModule):
         kl_coef: float = 0.1,
         kl_stop_gradient: KLStopGradient = "dense",
         sparse_rl: SparseRLConfig | None = None,
+        rollout_correction: RolloutCorrection | None = None,
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
         logits_chunk_size: int = 1024,
@@ -233,8 +243,8 @@ class GRPOModule(LightningModule):
         self.nonfinite_guard = NonFiniteGuard(on_nonfinite)
         check_grpo_args(
             policy, reference, mode, compressor, reference_quantization, temperature, scale_rewards, loss_type,
-            epsilon, epsilon_high, beta, kl_coef, kl_stop_gradient, sparse_rl, logits_chunk_size, scoring_batch_size,
-            model_dtype,
+            epsilon, epsilon_high, beta, kl_coef, kl_stop_gradient, sparse_rl, rollout_correction, logits_chunk_size,
+            scoring_batch_size, model_dtype,
         )  # fmt: skip
         check_lora(lora, disable_dropout)
         ignored = [
@@ -253,6 +263,7 @@ class GRPOModule(LightningModule):
         self.kl_coef = kl_coef
         self.kl_stop_gradient = kl_stop_gradient
         self.sparse_rl = SparseRLConfig() if sparse_rl is None else sparse_rl
+        self.rollout_correction = default_rollout_correction(mode) if rollout_correction is None else rollout_correction
         self.optimizer_factory = optimizer
         self.lr_scheduler_factory = lr_scheduler
         self.logits_chunk_size = logits_chunk_size
@@ -306,22 +317,35 @@ class GRPOModule(LightningModule):
                 "Rollout with GRPOModule.make_experience, or train with lit_smd.datamodules.RolloutDataModule"
             )
         check_rollout(self.mode, batch.rollout)
+        if batch.old_logprobs is None and batch.iteration > 0:
+            raise ValueError(
+                f"this Experience has no old_logprobs (built for one on-policy pass) but is trained at iteration "
+                f"{batch.iteration}: build it with make_experience(..., num_iterations=N, minibatch_size=M) for N "
+                "passes of M-row minibatches"
+            )
         rollout = batch.rollout
         smd_teacher = self.mode == "smd" and self.kl_coef > 0
         keep_prompt_kv = smd_teacher and self.kl_stop_gradient == "dense"  # the dense teacher reuses the prompt
         learner = self._pass(self.policy, rollout, shadow=self.uses_shadow_view, keep_prompt_kv=keep_prompt_kv)
         hidden = learner.hidden  # [B, N, H]
         logprobs, entropy = self._token_logprobs(self.policy, hidden, rollout.completion_ids)  # [B, N], [B, N]
+        # The learner's view before the update: on-policy, this very pass (so the first ratio is exactly 1).
+        old_logprobs = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs  # [B, N]
+        loss_mask, token_weights, metrics = batch.loss_mask, batch.token_weights, {}
+        if self.rollout_correction.mode != "none":
+            correction = rollout_correction(old_logprobs, rollout.logprobs, loss_mask, self.rollout_correction)
+            loss_mask, token_weights = correction.mask, correction.weights
+            metrics.update(rollout_correction_metrics(correction))
         out = policy_loss(
             logprobs,
-            batch.old_logprobs,
+            old_logprobs,
             batch.advantages,
-            batch.loss_mask,
+            loss_mask,
             epsilon=self.epsilon,
             epsilon_high=self.epsilon_high,
             loss_type=self.loss_type,
             max_completion_length=batch.max_completion_length,
-            token_weights=batch.token_weights,
+            token_weights=token_weights,
             ref_logprobs=batch.ref_logprobs,
             beta=self.beta,
         )
@@ -329,7 +353,7 @@ class GRPOModule(LightningModule):
         loss_parts = {"train/policy_loss": out.policy_loss}  # the terms of the loss, for the non-finite guard
         if self.beta > 0:
             loss_parts["train/kl_ref"] = out.kl
-        metrics = {
+        metrics |= {
             "train/policy_loss": out.policy_loss,
             "train/kl_ref": out.kl,
             "train/entropy": masked_mean(entropy.detach(), rollout.completion_mask),
@@ -347,7 +371,8 @@ class GRPOModule(LightningModule):
             metrics["smd/kl"] = kl.forward_kl if self.kl_stop_gradient == "dense" else kl.reverse_kl
         self.nonfinite_guard.record({**loss_parts, "train/loss": loss})
         if batch.iteration == 0:
-            stats = mismatch_stats(logprobs.detach(), rollout.logprobs, rollout.completion_mask)
+            view = logprobs.detach() if self.mode == "mu_ratio" else old_logprobs  # [B, N] the learner's view
+            stats = mismatch_stats(view, rollout.logprobs, rollout.completion_mask)
             metrics["mismatch/logprob_abs_diff_mean"] = stats.abs_diff_mean
             metrics["mismatch/logprob_abs_diff_max"] = stats.abs_diff_max
             metrics["mismatch/k3_kl"] = stats.kl
@@ -513,14 +538,17 @@ class GRPOModule(LightningModule):
         group_size: int,
         reward_components: dict[str, Tensor] | None = None,
         max_completion_length: int | None = None,
+        num_iterations: int = 1,
+        minibatch_size: int | None = None,
     ) -> Experience:
         """Turn a scored rollout batch into an `Experience`: advantages, loss mask, ratio denominators, metrics.
 
         Computes what the mode needs before any update: the group advantages, the loss mask (``completion_mask``,
-        minus truncated completions with ``mask_truncated_completions``), the dense ``pi_old`` log-probs (naive,
-        sparse_rl) and the Sparse-RL mask and weights (sparse_rl, over the whole batch), the reference log-probs
-        (when a reference is loaded), and the ``rollout/``, ``kv/`` and ``sparse_rl/`` metrics. Works for a `Rollout`
-        from any source.
+        minus truncated completions with ``mask_truncated_completions``), the learner's ``pi_old`` log-probs when the
+        batch is trained off-policy (``num_iterations > 1`` or several minibatches: one no-grad pass, minibatch by
+        minibatch as the gradient pass will run them) or for Sparse-RL, the Sparse-RL mask and weights (sparse_rl, over
+        the whole batch), the reference log-probs (when a reference is loaded), and the ``rollout/``, ``kv/`` and
+        ``sparse_rl/`` metrics. Works for a `Rollout` from any source.
 
         Args:
             rollout: ``B`` completions, the ``group_size`` completions of each prompt consecutive.
@@ -529,9 +557,13 @@ class GRPOModule(LightningModule):
             reward_components: Each reward function's ``[B]`` values by name, logged as ``rollout/reward/<name>``.
             max_completion_length: The ``dr_grpo`` normaliser (the rollout's ``max_new_tokens``); None means the
                 rollout's width.
+            num_iterations: Passes the batch will be trained for.
+            minibatch_size: Rows per optimizer step (consecutive slices, as `RolloutDataModule.minibatches` yields
+                them); None means the whole batch in one step.
 
         Returns:
-            The `Experience` on the module's device, ``iteration=0``.
+            The `Experience` on the module's device, ``iteration=0``. Its ``old_logprobs`` is None when the batch is
+            trained in one on-policy step (the gradient pass's own detached log-probs are the denominator).
 
         Raises:
             ValueError: The rollout does not fit the mode (e.g. smd without a shadow mask), or the rewards are
@@ -539,6 +571,7 @@ class GRPOModule(LightningModule):
         """
         self.configure_model()  # no-op under a Trainer; loads / copies the models when called before fit
         check_rollout(self.mode, rollout)
+        check_minibatches(len(rollout), num_iterations, minibatch_size)
         rollout = rollout.to(self.device)
         rewards = torch.as_tensor(rewards, device=self.device).flatten()
         if rewards.numel() != len(rollout):
@@ -554,9 +587,12 @@ class GRPOModule(LightningModule):
                     stacklevel=2,
                 )
         out_metrics = rollout_metrics(rollout, rewards, advantages, group_size, reward_components or {})
-        old_logprobs, token_weights = rollout.logprobs, None
-        if self.mode in ("naive", "sparse_rl"):
-            old_logprobs = self._score(self.policy, rollout, shadow=False)  # [B, N] dense pi_old
+        on_policy = num_iterations == 1 and (minibatch_size is None or minibatch_size == len(rollout))
+        old_logprobs, token_weights = None, None
+        if self.mode == "mu_ratio":
+            old_logprobs = rollout.logprobs
+        elif self.mode == "sparse_rl" or not on_policy:
+            old_logprobs = self._old_logprobs(rollout, minibatch_size)  # [B, N] pi_old before the update
         if self.mode == "sparse_rl":
             correction = sparse_rl_correction(old_logprobs, rollout.logprobs, loss_mask, self.sparse_rl)
             loss_mask, token_weights = correction.mask, correction.weights
@@ -572,7 +608,7 @@ class GRPOModule(LightningModule):
             rewards=rewards,
             advantages=advantages,
             loss_mask=loss_mask,
-            old_logprobs=old_logprobs,
+            old_logprobs=None if on_policy and self.mode != "mu_ratio" else old_logprobs,
             token_weights=token_weights,
             ref_logprobs=ref_logprobs,
             reward_components={k: torch.as_tensor(v).to(self.device) for k, v in (reward_components or {}).items()},
@@ -600,6 +636,17 @@ class GRPOModule(LightningModule):
         )
 
     @torch.no_grad()
+    def _old_logprobs(self, rollout: Rollout, minibatch_size: int | None) -> Tensor:
+        """The learner view's log-probs ``[B, N]`` before the update, one minibatch at a time.
+
+        Each minibatch runs as its gradient pass will (same rows, layout and kernels: shared-prefix packing and matmul
+        shapes depend on the rows together), so in every dtype the result is bit-equal to that pass before an update.
+        """
+        step = minibatch_size or len(rollout)
+        starts = range(0, len(rollout), step)
+        return torch.cat([self.forward(rollout.select(slice(start, start + step))) for start in starts])  # [B, N]
+
+    @torch.no_grad()
     def _score(self, model: PreTrainedModel, rollout: Rollout, *, shadow: bool) -> Tensor:
         """No-grad log-probs ``[B, N]`` of the completion tokens, ``scoring_batch_size`` rows at a time."""
         step = len(rollout) if self.scoring_batch_size is None else self.scoring_batch_size
@@ -610,6 +657,11 @@ class GRPOModule(LightningModule):
             logprobs, _ = self._token_logprobs(model, hidden, rows.completion_ids)
             parts.append(logprobs.masked_fill(~rows.completion_mask, 0.0))
         return torch.cat(parts)
+
+
+def default_rollout_correction(mode: str) -> RolloutCorrection:
+    """The rollout correction a mode uses when none is given (see the module docstring)."""
+    return RolloutCorrection("sequence_mask") if mode in ("dense", "smd") else RolloutCorrection("none")
 
 
 def _synchronize(device: torch.device) -> None:

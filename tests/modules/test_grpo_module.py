@@ -12,6 +12,7 @@ from lit_smd.datamodules.experience import Experience
 from lit_smd.datamodules.rollout import RolloutDataModule
 from lit_smd.kv import RecentWindow, SnapKV
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
+from lit_smd.losses.sparse_rl import sparse_rl_correction
 from lit_smd.models import save_tiny_checkpoint
 from lit_smd.modules.grpo import GRPOModule
 from lit_smd.rollout import Rollout, completion_hidden_states, generate, score
@@ -162,10 +163,13 @@ def test_smd_replays_the_rollout_and_naive_divides_by_the_dense_policy_not_mu(pe
     assert mu_ratio["train/clip_fraction"] > 0
     mask = rollout.completion_mask
     torch.testing.assert_close(old["mu_ratio"][mask], rollout.logprobs[mask], rtol=0, atol=0)
-    torch.testing.assert_close(old["smd"][mask], rollout.logprobs[mask], rtol=0, atol=0)
+    assert old["smd"] is None and old["naive"] is None  # on-policy: the gradient pass's own log-probs divide
     with torch.no_grad():
         dense = score(policy, rollout, shadow=False)  # independent dense recomputation, untrained copy
-    torch.testing.assert_close(old["naive"][mask], dense[mask], rtol=1e-12, atol=1e-12)
+    for mode, expected in (("smd", rollout.logprobs), ("naive", dense)):  # two passes: pi_old recomputed up front
+        module = GRPOModule(copy.deepcopy(policy), mode=mode, compressor=RecentWindow(10, sinks=2))
+        recomputed = module.make_experience(rollout, rewards, group_size=4, num_iterations=2).old_logprobs
+        torch.testing.assert_close(recomputed[mask], expected[mask], rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("stop_gradient", ["dense", "masked"])
@@ -263,11 +267,17 @@ def test_sparse_rl_precomputes_the_correction_over_the_whole_batch(peaky_model_f
     policy = peaky_model_factory()
     rollout = sample(policy, tokenizer, RecentWindow(10, sinks=2), max_new_tokens=8)
     module = GRPOModule(policy, mode="sparse_rl", compressor=RecentWindow(10, sinks=2))
-    experience = module.make_experience(rollout, torch.arange(8.0), group_size=4)
-    dense = module._score(policy, rollout, shadow=False)
-    torch.testing.assert_close(experience.old_logprobs, dense)
-    rows = GRPOModule(policy, mode="sparse_rl", compressor=RecentWindow(10, sinks=2), scoring_batch_size=3)
-    torch.testing.assert_close(rows.make_experience(rollout, torch.arange(8.0), group_size=4).old_logprobs, dense)
+    experience = module.make_experience(rollout, torch.arange(8.0), group_size=4, num_iterations=2, minibatch_size=4)
+    mask = rollout.completion_mask
+    with torch.no_grad():
+        dense = score(policy, rollout, shadow=False)  # independent dense recomputation
+    torch.testing.assert_close(experience.old_logprobs[mask], dense[mask], rtol=1e-12, atol=1e-12)
+    expected = sparse_rl_correction(dense, rollout.logprobs, mask, module.sparse_rl)  # over all 8 rows at once
+    torch.testing.assert_close(experience.token_weights, expected.weights, rtol=1e-10, atol=1e-12)
+    assert torch.equal(experience.loss_mask, expected.mask)
+    on_policy = module.make_experience(rollout, torch.arange(8.0), group_size=4)
+    assert on_policy.old_logprobs is None  # the ratio divides by the gradient pass itself; xi still uses pi_old
+    torch.testing.assert_close(on_policy.token_weights, expected.weights, rtol=1e-10, atol=1e-12)
     assert experience.token_weights is not None
     assert not torch.equal(experience.loss_mask, rollout.completion_mask)  # peaky model: some tokens rejected
     assert experience.metrics["sparse_rl/masked_token_fraction"] > 0
