@@ -52,6 +52,14 @@ def test_rollout_speed_benchmark(run_all, tmp_path):
     assert variants == {"hf_generate", "dense", "recent@0.5"}
 
 
+def test_ratio_denominator_benchmark(run_all, tmp_path):
+    results = {(r["mode"], r["plan"]): r for r in _run(run_all, "ratio_denominator", tmp_path)["results"]}
+    modes, plans = ("dense", "naive", "sparse_rl", "smd"), ("1x8", "2x8", "2x4")
+    assert set(results) == {(mode, plan) for mode in modes for plan in plans}
+    for (mode, plan), row in results.items():  # at most one no-grad pi_old pass per rollout batch, none on-policy
+        assert row["forwards_per_batch"] == (0.0 if plan == "1x8" and mode != "sparse_rl" else 1.0)
+
+
 def test_masked_attention_benchmark(run_all, tmp_path):
     (result,) = _run(run_all, "masked_attention", tmp_path)["results"]
     assert set(result["variants"]) == {"plain_sdpa", "shadow_sdpa"}

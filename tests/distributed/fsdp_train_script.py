@@ -1,11 +1,12 @@
-"""Run by `test_fsdp_training.py`: GRPO (smd), online distillation and SFT, each a 2-process FSDP2 fit on the CPU.
+"""Run by `test_fsdp_training.py`: GRPO (smd), online distillation and SFT, each a 2-process FSDP2 fit on the CPU,
+and an smd fit in bfloat16 mixed precision (``param_dtype="bfloat16"``, two passes of two minibatches per batch).
 
 Usage: ``python tests/distributed/fsdp_train_script.py OUT_DIR``. Lightning's ``ModelParallelStrategy`` (which
 `lit_smd.fsdp.FSDP2Strategy` extends) starts rank 1 by running this script again; both ranks then run every fit
 below in the same order. Per module: a fit of ``STEPS`` steps that saves a checkpoint after every step, then a fit
 resumed from the checkpoint of step ``RESUME_FROM``. This process saves ``<run>_initial.pt`` (weights before
 training); every rank saves ``<run>_rank<r>.pt`` (what it trained on, what its logger received, the gathered final
-weights) and ``<run>_resumed_rank<r>.pt`` (the resumed fit's).
+weights) and ``<run>_resumed_rank<r>.pt`` (the resumed fit's); the bfloat16 fit saves ``grpo_bf16_rank<r>.pt``.
 """
 
 import os
@@ -44,6 +45,8 @@ STEPS = 3
 RESUME_FROM = 1
 CLIP = 0.5  # gradient_clip_val: the global norm over the shards of all ranks (the test checks that it clips)
 SFT_BATCH = 2
+BF16_PLAN = {"num_iterations": 2, "minibatch_size": 3}  # of the 2 x 3 rows a rank samples per rollout batch
+BF16_STEPS = 8  # two rollout batches
 
 
 def momentum_sgd(params: object) -> torch.optim.Optimizer:
@@ -61,6 +64,14 @@ def grpo_module() -> GRPOModule:
     return GRPOModule(
         tiny_model(seed=0), mode="smd", compressor=RecentWindow(12, sinks=2), kl_coef=0.1, beta=0.05,
         optimizer=momentum_sgd, gradient_checkpointing=True,
+    )  # fmt: skip
+
+
+def grpo_bf16_module() -> GRPOModule:
+    """smd with a compressed cache and a small step (bfloat16 compute; no reference)."""
+    return GRPOModule(
+        tiny_model(seed=0), mode="smd", compressor=RecentWindow(12, sinks=2), kl_coef=0.1,
+        optimizer=lambda params: torch.optim.SGD(params, lr=1e-3),
     )  # fmt: skip
 
 
@@ -120,6 +131,18 @@ def fit(build: Any, data: Any, out: Path, run: str, model_attr: str, full_checkp
         trainer.fit(module, data(), ckpt_path=ckpt)
 
 
+def fit_bf16(build: Any, data: RolloutDataModule, out: Path) -> None:
+    """``BF16_STEPS`` steps under FSDP2 with bfloat16 compute (sampler and learner alike), no checkpoints."""
+    trainer = L.Trainer(
+        max_steps=BF16_STEPS, accelerator="cpu", devices=WORLD_SIZE,
+        strategy=FSDP2Strategy(param_dtype="bfloat16", reduce_dtype="float32", process_group_backend="gloo"),
+        logger=RankLogger(), log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
+        enable_checkpointing=False, default_root_dir=out, callbacks=[Recorder(out, "grpo_bf16", "policy")],
+        num_sanity_val_steps=0,
+    )  # fmt: skip
+    trainer.fit(build(), data)
+
+
 def main(out: Path) -> None:
     torch.set_num_threads(1)
     tokenizer = build_tiny_tokenizer()
@@ -138,6 +161,8 @@ def main(out: Path) -> None:
         return SupervisedDataModule(prompts, tokenizer, batch_size=SFT_BATCH, use_chat_template=False)
 
     fit(grpo_module, grpo_data, out, "grpo", "policy")
+    bf16_data = RolloutDataModule(prompts, tokenizer, [reward], use_chat_template=False, **GRPO, **BF16_PLAN)
+    fit_bf16(grpo_bf16_module, bf16_data, out)
     fit(distill, distill_data, out, "distill", "student")
     fit(sft_module, sft_data, out, "sft", "policy", full_checkpoint=True)
 

@@ -9,7 +9,9 @@ distillation, a full one for SFT). The tests check, against one-process computat
   ranks (what FSDP's reduce-scatter must do) and clipped by their global norm, GRPO with activation checkpointing;
 - the resumed fit trains on the same batches and ends with the same weights as the uninterrupted one;
 - GRPO's rollouts (sampled from the gathered policy with a compressed cache) and its sharded reference's scores equal
-  a one-process shadow-mask replay of the initial weights, and the learner's logged mismatch is float noise.
+  a one-process shadow-mask replay of the initial weights, and the learner's logged mismatch is float noise;
+- in bfloat16 mixed precision, the first step of every rollout batch has PPO ratio exactly 1 (the sampler's ``mu``
+  is off by bf16 rounding, the learner's own ``pi_old`` is not), two passes of two minibatches each.
 """
 
 import importlib.util
@@ -54,7 +56,7 @@ def reports(tmp_path_factory: pytest.TempPathFactory, run_launch_script) -> dict
             "resumed": [load(f"{run}_resumed_rank{rank}.pt") for rank in ranks],
         }
         for run in RUNS
-    }
+    } | {"grpo_bf16": {"ranks": [load(f"grpo_bf16_rank{rank}.pt") for rank in ranks]}}
 
 
 def _replay(
@@ -166,3 +168,18 @@ def test_grpo_compressed_rollouts_and_sharded_reference_match_an_unsharded_shado
         for step in rank["logged"]:
             assert step["mismatch/logprob_abs_diff_max"] < 1e-5  # the sharded learner replays the rollout exactly
     assert evicting, "no key was evicted: the shadow-mask checks would be vacuous"
+
+
+def test_grpo_in_bf16_mixed_precision_has_ratio_one_on_each_first_pass(reports):
+    per_batch = script.BF16_PLAN["num_iterations"] * (
+        script.GRPO["prompts_per_step"] * script.GRPO["num_generations"] // script.BF16_PLAN["minibatch_size"]
+    )
+    for rank in reports["grpo_bf16"]["ranks"]:
+        assert rank["global_step"] == script.BF16_STEPS
+        steps = [step for step in rank["logged"] if "train/ratio_min" in step]
+        assert len(steps) == script.BF16_STEPS
+        for index in range(0, script.BF16_STEPS, per_batch):
+            first = steps[index]
+            assert first["train/ratio_min"] == 1.0 and first["train/ratio_max"] == 1.0, (index, first)
+            assert first["train/clip_fraction"] == 0.0
+        assert max(step.get("mismatch/logprob_abs_diff_max", 0.0) for step in steps) > 1e-3, "bf16 shows no noise"
