@@ -31,6 +31,7 @@ from lit_smd.kv.cache import BudgetedCache
 from lit_smd.kv.compressors import Compressor, SnapKV, resolve_budget
 from lit_smd.kv.prefill import softmax_dtype
 from lit_smd.kv.shadow import AttentionPlan, ShadowMask
+from lit_smd.losses.head import output_head
 
 __all__ = ["Rollout", "completion_hidden_states", "generate", "prefill", "sample_tokens", "score"]
 
@@ -218,6 +219,7 @@ def _check_generate_args(
                 f"({compressor.min_prompt_length}); lower the window or filter short prompts"
             )
     ensure_attention(model)
+    output_head(model)  # refuses unknown logit post-processing before any model work
     vocab_size = model.get_input_embeddings().num_embeddings
     used = input_ids[mask]
     if bool(((used < 0) | (used >= vocab_size)).any()):
@@ -238,8 +240,10 @@ def prefill(model: torch.nn.Module, cache: BudgetedCache, input_ids: torch.Tenso
         prefill_batch_size: Prompts per forward; the leading pad columns a micro-batch shares are skipped.
 
     Returns:
-        ``[B, V]`` next-token logits after each prompt.
+        ``[B, V]`` next-token logits after each prompt (float32, float64 for float64 models), computed by the model's
+        `lit_smd.losses.head.OutputHead` as the learner computes them.
     """
+    head = output_head(model)
     logits = []
     # A "prepared" 4-D mask, so transformers builds none (for sliding-window models it would build [m, 1, W, W]):
     # the budgeted cache masks by logical position itself.
@@ -247,12 +251,11 @@ def prefill(model: torch.nn.Module, cache: BudgetedCache, input_ids: torch.Tenso
     for start in range(0, input_ids.shape[0], prefill_batch_size):
         batch = cache.begin_prefill(start, min(start + prefill_batch_size, input_ids.shape[0]))
         width = batch.positions.shape[1]
-        out = model(
+        out = model.get_decoder()(
             input_ids=input_ids[batch.start : batch.stop, -width:], attention_mask=no_mask,
             position_ids=batch.positions.clamp(min=0), cache=cache, budgeted_cache=cache, use_cache=True,
-            logits_to_keep=1,
         )
-        logits.append(out.logits[:, -1])
+        logits.append(head(out.last_hidden_state[:, -1]))  # [m, V]
         del out
     cache.end_prefill()
     return torch.cat(logits)
@@ -320,6 +323,7 @@ def generate(
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
     no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)  # as in `prefill`: transformers builds no mask
 
+    head = output_head(model)
     was_training = model.training
     model.eval()
     try:
@@ -338,11 +342,11 @@ def generate(
             if step == max_new_tokens - 1 or bool(finished.all()):
                 break
             position = cache.decode_position(cache.prompt_width + step)[:, None]  # [B*S, 1]
-            out = model(
+            out = model.get_decoder()(
                 input_ids=tokens[-1][:, None], attention_mask=no_mask, position_ids=position, cache=cache,
                 budgeted_cache=cache, use_cache=True,
             )
-            logits = out.logits[:, -1]
+            logits = head(out.last_hidden_state[:, -1])  # [B*S, V]
     finally:
         model.train(was_training)
 
@@ -436,8 +440,9 @@ def score(
     """
     if not 0 < temperature < math.inf:
         raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
+    head = output_head(model)  # refuses unknown logit post-processing before the forward
     hidden = completion_hidden_states(model, rollout, shadow=shadow, backend=backend)  # [B, N, H]
-    logits = model.get_output_embeddings()(hidden)  # [B, N, V]
+    logits = head(hidden)  # [B, N, V], as the model's forward computes them
     dtype = softmax_dtype(logits.dtype)
     logprobs = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
     token_logprobs = logprobs.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)  # [B, N]
