@@ -155,6 +155,36 @@ AttentionInterface.register(ATTN_IMPLEMENTATION, lit_smd_attention)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
 
 
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""``config.layer_types`` entries the lit_smd attention implements (causal, optionally a sliding window)."""
+
+
+_KV_SHARING = "later layers reuse earlier layers' key/value cache (KV sharing), which a per-layer budget cannot hold"
+REFUSED_MODEL_TYPES: dict[str, str] = {"gemma3n": _KV_SHARING, "gemma3n_text": _KV_SHARING}
+"""Model types refused by name, with the reason (hybrid layer types are refused by `check_layer_types`)."""
+
+
+def check_layer_types(model: PreTrainedModel) -> None:
+    """Refuse, by model type and layer type, a model whose layers the budgeted cache and the shadow mask cannot hold.
+
+    Hybrid models (linear attention, Mamba / convolution layers, chunked attention) keep per-layer state that is not
+    a key/value cache of the attention interface.
+
+    Raises:
+        NotImplementedError: ``config.layer_types`` holds another layer type, or the model type is in
+            `REFUSED_MODEL_TYPES`.
+    """
+    config = model.config.get_text_config()
+    if config.model_type in REFUSED_MODEL_TYPES:
+        raise NotImplementedError(f"model type {config.model_type!r}: {REFUSED_MODEL_TYPES[config.model_type]}")
+    other = sorted({kind for kind in getattr(config, "layer_types", None) or () if kind not in ATTENTION_LAYER_TYPES})
+    if other:
+        raise NotImplementedError(
+            f"model type {config.model_type!r} has {', '.join(other)} layers; lit_smd compresses and replays only "
+            f"{' and '.join(ATTENTION_LAYER_TYPES)} layers"
+        )
+
+
 def ensure_attention(model: torch.nn.Module) -> None:
     """Switch ``model`` to the lit_smd attention implementation, or explain why it cannot be.
 
@@ -163,11 +193,13 @@ def ensure_attention(model: torch.nn.Module) -> None:
     Raises:
         TypeError: ``model`` is not a transformers `PreTrainedModel`, or its architecture does not route
             attention through transformers' ``AttentionInterface``.
+        NotImplementedError: The model has non-attention layers (`check_layer_types`).
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(
             f"model must be a transformers PreTrainedModel (a causal LM), got {type(model).__name__}"
         )
+    check_layer_types(model)
     keep_float64_norms(model)  # float64 models: no float32 round trip in RMSNorm (see lit_smd.kv.precision)
     if model.config._attn_implementation == ATTN_IMPLEMENTATION:
         return

@@ -76,10 +76,12 @@ class AttentionFeatures:
         return cls(softcap=kwargs.get("softcap"), sinks=kwargs.get("s_aux"))
 
     def cap(self, scores: torch.Tensor) -> torch.Tensor:
-        """Softcap scaled scores in place (a no-op without softcapping)."""
-        if self.softcap is not None:
-            scores.div_(self.softcap).tanh_().mul_(self.softcap)
-        return scores
+        """Softcap scaled scores (a no-op without softcapping); in place unless autograd records them."""
+        if self.softcap is None:
+            return scores
+        if scores.requires_grad:
+            return torch.tanh(scores / self.softcap) * self.softcap
+        return scores.div_(self.softcap).tanh_().mul_(self.softcap)
 
     def sink_logits(self, num_heads: int, dtype: torch.dtype) -> torch.Tensor:
         """``[1, H_q, 1, 1]`` sink logits in ``dtype`` (call only when `sinks` is set)."""

@@ -148,7 +148,7 @@ class PackedPlan:
         (the inputs are slices of tensors the prompt's attention keeps anyway).
         """
 
-        def attention(query, prompt_key, prompt_value, slot_key, slot_value):
+        def slot_attention(query, prompt_key, prompt_value, slot_key, slot_value):
             rows, q_heads, _, dim = query.shape
             kv_heads, width, slots, new = prompt_key.shape[1], self.prompt_width, self.num_slots, self.slot_width
             group = q_heads // kv_heads
@@ -183,8 +183,8 @@ class PackedPlan:
 
         inputs = (query, prompt_key, prompt_value, slot_key, slot_value)
         if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
-            return checkpoint(attention, *inputs, use_reentrant=False)
-        return attention(*inputs)
+            return checkpoint(slot_attention, *inputs, use_reentrant=False)
+        return slot_attention(*inputs)
 
     # ---------------------------------------------------------------------------------------------------- masks
 

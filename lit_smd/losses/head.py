@@ -66,7 +66,10 @@ class LogitTransform:
         return self.scale == 1.0 and self.softcap is None
 
     def apply_(self, logits: Tensor) -> Tensor:
-        """Transform projected logits ``[..., V]`` in place (a floating buffer the caller owns); returns them."""
+        """Transform projected logits ``[..., V]`` (a buffer the caller owns), in place unless autograd records them."""
+        if logits.requires_grad:
+            logits = logits * self.scale if self.scale != 1.0 else logits
+            return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
         if self.scale != 1.0:
             logits.mul_(self.scale)
         if self.softcap is not None:

@@ -382,7 +382,7 @@ class DistillModule(LightningModule):
                 "distill/reverse_kl": out.reverse_kl,
                 "distill/student_entropy": out.student_entropy,
             }
-        student_top1 = _chunked_argmax(student_hidden, head.weight, head.bias, chunk)  # [B, N]
+        student_top1 = _chunked_argmax(student_hidden, head, chunk)  # [B, N]
         metrics["distill/top1_agreement"] = masked_mean((student_top1 == teacher_top1).double(), mask)
         return loss, metrics
 
