@@ -240,10 +240,9 @@ def prefill(model: torch.nn.Module, cache: BudgetedCache, input_ids: torch.Tenso
         prefill_batch_size: Prompts per forward; the leading pad columns a micro-batch shares are skipped.
 
     Returns:
-        ``[B, V]`` next-token logits after each prompt (float32, float64 for float64 models), computed by the model's
-        `lit_smd.losses.head.OutputHead` as the learner computes them.
+        ``[B, V]`` next-token logits after each prompt, from the model's own forward (its logit post-processing
+        included; `lit_smd.losses.head.output_head` computes the same for the learner).
     """
-    head = output_head(model)
     logits = []
     # A "prepared" 4-D mask, so transformers builds none (for sliding-window models it would build [m, 1, W, W]):
     # the budgeted cache masks by logical position itself.
@@ -251,11 +250,12 @@ def prefill(model: torch.nn.Module, cache: BudgetedCache, input_ids: torch.Tenso
     for start in range(0, input_ids.shape[0], prefill_batch_size):
         batch = cache.begin_prefill(start, min(start + prefill_batch_size, input_ids.shape[0]))
         width = batch.positions.shape[1]
-        out = model.get_decoder()(
+        out = model(
             input_ids=input_ids[batch.start : batch.stop, -width:], attention_mask=no_mask,
             position_ids=batch.positions.clamp(min=0), cache=cache, budgeted_cache=cache, use_cache=True,
+            logits_to_keep=1,
         )
-        logits.append(head(out.last_hidden_state[:, -1]))  # [m, V]
+        logits.append(out.logits[:, -1])
         del out
     cache.end_prefill()
     return torch.cat(logits)
@@ -323,7 +323,6 @@ def generate(
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
     no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)  # as in `prefill`: transformers builds no mask
 
-    head = output_head(model)
     was_training = model.training
     model.eval()
     try:
@@ -342,11 +341,11 @@ def generate(
             if step == max_new_tokens - 1 or bool(finished.all()):
                 break
             position = cache.decode_position(cache.prompt_width + step)[:, None]  # [B*S, 1]
-            out = model.get_decoder()(
+            out = model(
                 input_ids=tokens[-1][:, None], attention_mask=no_mask, position_ids=position, cache=cache,
                 budgeted_cache=cache, use_cache=True,
             )
-            logits = head(out.last_hidden_state[:, -1])  # [B*S, V]
+            logits = out.logits[:, -1]
     finally:
         model.train(was_training)
 
