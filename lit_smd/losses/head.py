@@ -12,9 +12,9 @@ lm_head, or they score a different model:
 `LogitTransform` (a multiplier, then an optional softcap). It refuses, by name, a model whose config carries a logit
 attribute it does not know how to apply (`LOGIT_ATTRIBUTES`) rather than assume the plain projection.
 
-The transform runs in float32 (float64 for float64 models), after the projection: the learner and the sampler call the
-same code, so they agree to the dtype's rounding in every precision (transformers applies it in the model dtype;
-the two agree exactly in float32 and float64).
+The transform runs in float32 (float64 for float64 models), after the projection. The rollout samples from the model's
+own forward, which applies it in the model dtype: the two agree to float rounding in float32 and float64; in bfloat16
+a softcapped family's sampler and learner differ by bfloat16's rounding of the capped logits.
 """
 
 from __future__ import annotations
