@@ -31,6 +31,7 @@ from lit_smd.kv.cache import BudgetedCache
 from lit_smd.kv.compressors import Compressor, SnapKV, resolve_budget
 from lit_smd.kv.prefill import softmax_dtype
 from lit_smd.kv.shadow import AttentionPlan, ShadowMask
+from lit_smd.losses.head import output_head
 
 __all__ = ["Rollout", "completion_hidden_states", "generate", "prefill", "sample_tokens", "score"]
 
@@ -218,6 +219,7 @@ def _check_generate_args(
                 f"({compressor.min_prompt_length}); lower the window or filter short prompts"
             )
     ensure_attention(model)
+    output_head(model)  # refuses unknown logit post-processing before any model work
     vocab_size = model.get_input_embeddings().num_embeddings
     used = input_ids[mask]
     if bool(((used < 0) | (used >= vocab_size)).any()):
@@ -238,7 +240,8 @@ def prefill(model: torch.nn.Module, cache: BudgetedCache, input_ids: torch.Tenso
         prefill_batch_size: Prompts per forward; the leading pad columns a micro-batch shares are skipped.
 
     Returns:
-        ``[B, V]`` next-token logits after each prompt.
+        ``[B, V]`` next-token logits after each prompt, from the model's own forward (its logit post-processing
+        included; `lit_smd.losses.head.output_head` computes the same for the learner).
     """
     logits = []
     # A "prepared" 4-D mask, so transformers builds none (for sliding-window models it would build [m, 1, W, W]):
@@ -436,8 +439,9 @@ def score(
     """
     if not 0 < temperature < math.inf:
         raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
+    head = output_head(model)  # refuses unknown logit post-processing before the forward
     hidden = completion_hidden_states(model, rollout, shadow=shadow, backend=backend)  # [B, N, H]
-    logits = model.get_output_embeddings()(hidden)  # [B, N, V]
+    logits = head(hidden)  # [B, N, V], as the model's forward computes them
     dtype = softmax_dtype(logits.dtype)
     logprobs = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
     token_logprobs = logprobs.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)  # [B, N]

@@ -38,7 +38,6 @@ from typing import Any, Literal
 import numpy as np
 import pyarrow as pa
 import torch
-import torch.nn.functional as F
 import transformers
 from datasets import Dataset
 from datasets.arrow_writer import ArrowWriter
@@ -57,6 +56,7 @@ from lit_smd.datamodules.teacher_cache import (
     tokenizer_fingerprint,
 )
 from lit_smd.learner_layout import LearnerLayout, learner_hidden_states
+from lit_smd.losses.head import output_head
 from lit_smd.models import Quantization, check_pretrained_source, load_causal_lm
 from lit_smd.rollout import Rollout, generate
 
@@ -92,7 +92,7 @@ def teacher_topk_logprobs(
         ``(ids [B, N, k] long, logprobs [B, N, k] float32)``, sorted by decreasing log-prob; rows past a completion's
         end hold meaningless values.
     """
-    head = model.get_output_embeddings()
+    head = output_head(model)
     vocab_size = head.weight.shape[0]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab_size:
         raise ValueError(f"top_k must be an integer in [1, vocab size {vocab_size}], got {k!r}")
@@ -101,7 +101,7 @@ def teacher_topk_logprobs(
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     ids, values = [], []
     for start in range(0, rows.shape[0], chunk_size):
-        logits = F.linear(rows[start : start + chunk_size], head.weight, head.bias).to(dtype) / temperature  # [C, V]
+        logits = head(rows[start : start + chunk_size]).to(dtype) / temperature  # [C, V]
         top = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [C, k] each
         values.append(top.values)
         ids.append(top.indices)

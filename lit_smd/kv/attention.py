@@ -19,11 +19,11 @@ float64 models in float64 (`lit_smd.kv.precision`), so float64 replay is exact o
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from transformers import AttentionInterface, AttentionMaskInterface, PreTrainedModel
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import sdpa_mask
 
+from lit_smd.kv.features import AttentionFeatures, attention
 from lit_smd.kv.precision import keep_float64_norms
 from lit_smd.kv.prefix import PackedPlan
 from lit_smd.kv.shadow import use_flex
@@ -55,41 +55,134 @@ def lit_smd_attention(
     sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention function: ``query [B, H_q, T, D]``, ``key/value [B, H_kv, S, D]`` -> ``[B, T, H_q, D]``."""
+    """Attention function: ``query [B, H_q, T, D]``, ``key/value [B, H_kv, S, D]`` -> ``[B, T, H_q, D]``.
+
+    Honours the ``softcap`` and ``s_aux`` (sinks) keywords of transformers' attention modules on every path
+    (`lit_smd.kv.features`) and refuses, by name, keywords it cannot honour.
+    """
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
+    features = AttentionFeatures.from_call(module, kwargs)
     cache = kwargs.get("budgeted_cache")
     if cache is not None:
         layer = cache.layers[module.layer_idx]
         if layer.seen == 0:
-            return layer.attend_prefill(query, scaling, sliding_window), None
-        return layer.attend_decode(query, scaling, sliding_window), None
+            return layer.attend_prefill(query, scaling, sliding_window, features), None
+        return layer.attend_decode(query, scaling, sliding_window, features), None
 
     plan = kwargs.get("attention_plan")
     if plan is None:
-        return sdpa_attention_forward(
-            module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
-            sliding_window=sliding_window, **kwargs,
-        )
+        if features.plain:
+            return sdpa_attention_forward(
+                module, query, key, value, attention_mask, dropout=dropout, scaling=scaling,
+                sliding_window=sliding_window, **kwargs,
+            )
+        return eager_feature_attention(module, query, key, value, attention_mask, scaling, dropout, features), None
     dropout = dropout if module.training else 0.0
     if isinstance(plan, PackedPlan):
-        return plan.attend(module.layer_idx, query, key, value, scaling, dropout, sliding_window), None
+        return plan.attend(module.layer_idx, query, key, value, scaling, dropout, sliding_window, features), None
     width = query.shape[2]
     if use_flex(plan.backend, query.device, dropout):
         block_mask = plan.block_mask(module.layer_idx, query.shape[1], width, sliding_window)
-        out = _flex_attention()(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=True)
+        out = flex_feature_attention(query, key, value, block_mask, scaling, features)  # [B, Hq, T, D]
         return out.transpose(1, 2).contiguous(), None
     group = query.shape[1] // key.shape[1]
     visible = plan.visible(module.layer_idx, width, sliding_window)  # [B, Hkv or 1, T, T]
     if visible.shape[1] > 1:
         visible = visible.repeat_interleave(group, dim=1)  # [B, Hq, T, T], this layer only
-    out = F.scaled_dot_product_attention(
-        query, key, value, attn_mask=visible, dropout_p=dropout, scale=scaling, enable_gqa=group > 1
-    )
+    out = attention(query, key, value, visible, scaling, features, dropout=dropout)  # [B, Hq, T, D]
     return out.transpose(1, 2).contiguous(), None
+
+
+def eager_feature_attention(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    scaling: float,
+    dropout: float,
+    features: AttentionFeatures,
+) -> torch.Tensor:
+    """A plain call (no cache, no plan) of a layer with softcap or sinks, under the mask transformers built.
+
+    Returns ``[B, T, H_q, D]``.
+    """
+    if attention_mask is not None and attention_mask.dtype != torch.bool:
+        raise TypeError(f"expected a boolean attention mask from sdpa_mask, got {attention_mask.dtype}")
+    visible = attention_mask
+    if visible is not None:
+        visible = visible[..., : key.shape[2]]  # [B, 1, T, S]
+    elif query.shape[2] != key.shape[2]:
+        visible = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device)
+    dropout = dropout if module.training else 0.0
+    return attention(query, key, value, visible, scaling, features, dropout=dropout).transpose(1, 2).contiguous()
+
+
+def flex_feature_attention(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    block_mask: object,
+    scaling: float,
+    features: AttentionFeatures,
+) -> torch.Tensor:
+    """FlexAttention with the layer's softcap (a ``score_mod``) and sinks (a rescaling by the row's log-normaliser).
+
+    A sink column ``s`` adds ``exp(s)`` to each row's normaliser ``exp(lse)``, so the sink-free output is scaled by
+    ``exp(lse) / (exp(lse) + exp(s)) = sigmoid(lse - s)``. Returns ``[B, H_q, T, D]``.
+    """
+    score_mod = None
+    if features.softcap is not None:
+        softcap = features.softcap
+
+        def score_mod(score, b, h, q_idx, kv_idx):
+            return softcap * torch.tanh(score / softcap)
+
+    flex = _flex_attention()
+    if features.sinks is None:
+        return flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=True)
+    from torch.nn.attention.flex_attention import AuxRequest
+
+    out, aux = flex(
+        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=True,
+        return_aux=AuxRequest(lse=True),
+    )  # [B, Hq, T, D], lse [B, Hq, T]
+    sinks = features.sinks.to(aux.lse.dtype).view(1, -1, 1)
+    return out * torch.sigmoid(aux.lse - sinks)[..., None].to(out.dtype)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, lit_smd_attention)
 AttentionMaskInterface.register(ATTN_IMPLEMENTATION, sdpa_mask)
+
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention")
+"""``config.layer_types`` entries the lit_smd attention implements (causal, optionally a sliding window)."""
+
+
+_KV_SHARING = "later layers reuse earlier layers' key/value cache (KV sharing), which a per-layer budget cannot hold"
+REFUSED_MODEL_TYPES: dict[str, str] = {"gemma3n": _KV_SHARING, "gemma3n_text": _KV_SHARING}
+"""Model types refused by name, with the reason (hybrid layer types are refused by `check_layer_types`)."""
+
+
+def check_layer_types(model: PreTrainedModel) -> None:
+    """Refuse, by model type and layer type, a model whose layers the budgeted cache and the shadow mask cannot hold.
+
+    Hybrid models (linear attention, Mamba / convolution layers, chunked attention) keep per-layer state that is not
+    a key/value cache of the attention interface.
+
+    Raises:
+        NotImplementedError: ``config.layer_types`` holds another layer type, or the model type is in
+            `REFUSED_MODEL_TYPES`.
+    """
+    config = model.config.get_text_config()
+    if config.model_type in REFUSED_MODEL_TYPES:
+        raise NotImplementedError(f"model type {config.model_type!r}: {REFUSED_MODEL_TYPES[config.model_type]}")
+    other = sorted({kind for kind in getattr(config, "layer_types", None) or () if kind not in ATTENTION_LAYER_TYPES})
+    if other:
+        raise NotImplementedError(
+            f"model type {config.model_type!r} has {', '.join(other)} layers; lit_smd compresses and replays only "
+            f"{' and '.join(ATTENTION_LAYER_TYPES)} layers"
+        )
 
 
 def ensure_attention(model: torch.nn.Module) -> None:
@@ -100,11 +193,13 @@ def ensure_attention(model: torch.nn.Module) -> None:
     Raises:
         TypeError: ``model`` is not a transformers `PreTrainedModel`, or its architecture does not route
             attention through transformers' ``AttentionInterface``.
+        NotImplementedError: The model has non-attention layers (`check_layer_types`).
     """
     if not isinstance(model, PreTrainedModel):
         raise TypeError(
             f"model must be a transformers PreTrainedModel (a causal LM), got {type(model).__name__}"
         )
+    check_layer_types(model)
     keep_float64_norms(model)  # float64 models: no float32 round trip in RMSNorm (see lit_smd.kv.precision)
     if model.config._attn_implementation == ATTN_IMPLEMENTATION:
         return

@@ -39,8 +39,9 @@ import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 from lit_smd.kv.compressors import Compressor, budget_at, resolve_budget
+from lit_smd.kv.features import AttentionFeatures, normalise
+from lit_smd.kv.features import softmax_dtype as _softmax_dtype
 from lit_smd.kv.prefill import PrefillContext
-from lit_smd.kv.prefill import softmax_dtype as _softmax_dtype
 from lit_smd.kv.shadow import NEVER, ShadowMask
 
 __all__ = ["BudgetedCache", "BudgetedLayer", "DecodeState", "PrefillContext", "PromptBatch"]
@@ -161,18 +162,21 @@ class BudgetedLayer(CacheLayerMixin):
         return -1
 
     # -- rollout attention -----------------------------------------------------------------------------------
-    def attend_prefill(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
+    def attend_prefill(
+        self, query: torch.Tensor, scaling: float, sliding_window: int | None, features: AttentionFeatures
+    ) -> torch.Tensor:
         """Dense prefill attention of the current micro-batch, then prompt selection into its slots.
 
         When the policy accumulates attention (H2O), its column sums come from the same pass as the output (and
-        SnapKV's window rows with them). Returns ``[m, W, H_q, D]``.
+        SnapKV's window rows with them); softcap and sinks (``features``) shape those probabilities as they shape the
+        output. Returns ``[m, W, H_q, D]``.
         """
         key, value = self._prompt_kv
         self._prompt_kv = None
         cache, batch = self.cache, self.cache.prefill_batch
         policy = cache.compressor
         ctx = PrefillContext(
-            query, key, value, scaling, batch.positions, batch.lengths - 1, sliding_window, cache.generator
+            query, key, value, scaling, batch.positions, batch.lengths - 1, sliding_window, cache.generator, features
         )
         out = ctx.attend(column_sums=cache.accumulates, window=getattr(policy, "observation_window", 0))
         self._select_prompt(ctx)
@@ -220,22 +224,26 @@ class BudgetedLayer(CacheLayerMixin):
         by_logical = by_logical.masked_fill(~(logical < width)[:, None, :], NEVER)
         self.evict_steps[rows, :, :width] = by_logical.repeat_interleave(samples, dim=0)
 
-    def attend_decode(self, query: torch.Tensor, scaling: float, sliding_window: int | None) -> torch.Tensor:
+    def attend_decode(
+        self, query: torch.Tensor, scaling: float, sliding_window: int | None, features: AttentionFeatures
+    ) -> torch.Tensor:
         """One decode query over the slots, then at most one eviction per (sequence, KV head).
 
-        Returns ``[B, 1, H_q, D]``.
+        Softcap and sinks (``features``) apply as in the model's eager attention; H2O accumulates the resulting
+        probabilities (without the sink's share). Returns ``[B, 1, H_q, D]``.
         """
         rows, q_heads, _, dim = query.shape
         kv_heads = self.keys.shape[1]
         dtype = _softmax_dtype(query.dtype)
         step = self.cache.decode_step(self.seen)
         grouped = query.reshape(rows, kv_heads, q_heads // kv_heads, dim)  # [B, Hkv, G, D]
-        scores = torch.matmul(grouped, self.keys.transpose(-1, -2)).to(dtype) * scaling  # [B, Hkv, G, C]
+        scores = features.cap(torch.matmul(grouped, self.keys.transpose(-1, -2)).to(dtype) * scaling)  # [B, Hkv, G, C]
         visible = self.positions >= 0  # [B, Hkv, C]
         if sliding_window is not None:
             visible &= (step.newest[:, None, None] - self.positions) < sliding_window
         scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
-        probs = torch.softmax(scores, dim=-1)  # [B, Hkv, G, C]
+        sinks = None if features.sinks is None else features.sinks.to(dtype).view(1, kv_heads, q_heads // kv_heads, 1)
+        probs = normalise(scores, sinks)  # [B, Hkv, G, C]
         out = torch.matmul(probs.to(self.values.dtype), self.values)  # [B, Hkv, G, D]
         self.seen += 1
         policy = self.cache.compressor

@@ -31,15 +31,12 @@ from typing import NamedTuple
 import torch
 import torch.nn.functional as F
 
+from lit_smd.kv.features import PLAIN, AttentionFeatures, softmax_dtype
+
 __all__ = ["MIN_BLOCK_ROWS", "PrefillContext", "PromptAttention", "blockwise_attention", "softmax_dtype"]
 
 MIN_BLOCK_ROWS = 16
 """Smallest default strip height (query rows per strip; the default is ``max(head_dim, MIN_BLOCK_ROWS)``)."""
-
-
-def softmax_dtype(dtype: torch.dtype) -> torch.dtype:
-    """Dtype of the attention softmax: float64 for float64 models, float32 otherwise."""
-    return torch.float64 if dtype == torch.float64 else torch.float32
 
 
 class PromptAttention(NamedTuple):
@@ -69,6 +66,7 @@ def blockwise_attention(
     window_rows: int = 0,
     column_sums: bool = False,
     block_rows: int | None = None,
+    features: AttentionFeatures = PLAIN,
 ) -> PromptAttention:
     """Causal prompt attention over left-padded rows, strip by strip (see the module docstring).
 
@@ -87,6 +85,8 @@ def blockwise_attention(
         column_sums: Return the column sums of the probabilities of rows ``[first_row, P)``.
         block_rows: Query rows per strip (default ``max(D, MIN_BLOCK_ROWS)``: a strip's scores are no larger than
             the query tensor).
+        features: The layer's softcap and attention sinks (`lit_smd.kv.features`); the probabilities returned are
+            the model's (a sink's share of each row is dropped, as transformers drops its column).
 
     Returns:
         A `PromptAttention`.
@@ -111,6 +111,10 @@ def blockwise_attention(
     columns = torch.arange(width, device=query.device)
     pad_lo, pad_hi = int(pad_left.min()), int(pad_left.max())
     ones = q.new_ones(heads, 1, step * group)
+    sink_rows = None
+    if features.sinks is not None:  # strip row r * G + g of (batch, KV head) h reads query head h_kv * G + g
+        sinks = features.sinks.to(dtype).view(1, kv_heads, 1, group)
+        sink_rows = sinks.expand(batch, kv_heads, step, group).reshape(heads, step * group, 1)
     for start in range(first_row, width, step):
         end = min(width, start + step)
         if end <= pad_lo:  # every row of the strip is a pad (zero output)
@@ -122,6 +126,7 @@ def blockwise_attention(
         scores = buffer[: heads * strip * span].view(heads, strip, span)
         torch.bmm(q[:, (start - first_row) * group : (end - first_row) * group], k[:, low:end].transpose(1, 2),
                   out=scores)
+        features.cap(scores)
         by_row = scores.view(batch, kv_heads, end - start, group, span)
         edge = max(pad_hi, low if sliding_window is None else end - sliding_window)
         q_cols = columns[start:end, None]  # [R, 1]
@@ -134,7 +139,10 @@ def blockwise_attention(
                 visible &= (k_cols > q_cols - sliding_window)[None]
             visible |= (k_cols == q_cols)[None]  # pad rows see themselves (no NaN); zeroed below
             by_row[..., lo - low : hi - low].masked_fill_(~visible[:, None, :, None, :], float("-inf"))
-        if scores.device.type == "cpu":  # row-wise fused softmax, in place: the strip is never copied
+        if sink_rows is not None:  # the sink column joins the normaliser, in place
+            log_norm = torch.logaddexp(scores.logsumexp(dim=-1, keepdim=True), sink_rows[:, :strip])
+            scores.sub_(log_norm).exp_()
+        elif scores.device.type == "cpu":  # row-wise fused softmax, in place: the strip is never copied
             torch.ops.aten._softmax.out(scores, -1, False, out=scores)
         else:
             scores = torch.softmax(scores, dim=-1)
@@ -166,11 +174,13 @@ def causal_prompt_attention(
     scaling: float,
     pad_left: torch.Tensor,
     sliding_window: int | None,
+    features: AttentionFeatures = PLAIN,
 ) -> torch.Tensor:
-    """Attention output only, ``[B, P, H_q, D]``: SDPA where a causal kernel applies, else `blockwise_attention`."""
+    """Attention output only, ``[B, P, H_q, D]``: SDPA where a causal kernel applies, else `blockwise_attention`
+    (sliding windows, softcap, sinks)."""
     width = query.shape[2]
-    if sliding_window is not None and sliding_window < width:
-        return blockwise_attention(query, key, value, scaling, pad_left, sliding_window).output
+    if (sliding_window is not None and sliding_window < width) or not features.plain:
+        return blockwise_attention(query, key, value, scaling, pad_left, sliding_window, features=features).output
     if not bool(pad_left.any()):
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2)
@@ -200,6 +210,7 @@ class PrefillContext:
         newest: ``[B]`` logical position of each sequence's last prompt token.
         sliding_window: The layer's sliding window, or None.
         generator: Generator for randomised policies (the rollout's; None = torch's default generator).
+        features: The layer's softcap and attention sinks: every probability computed here is the model's.
     """
 
     query: torch.Tensor
@@ -210,6 +221,7 @@ class PrefillContext:
     newest: torch.Tensor
     sliding_window: int | None
     generator: torch.Generator | None
+    features: AttentionFeatures = field(default_factory=AttentionFeatures)
     _window: torch.Tensor | None = field(default=None, init=False, repr=False)
     _column_sums: torch.Tensor | None = field(default=None, init=False, repr=False)
 
@@ -230,11 +242,11 @@ class PrefillContext:
         """
         if not column_sums:
             return causal_prompt_attention(
-                self.query, self.key, self.value, self.scaling, self.pad_left, self.sliding_window
+                self.query, self.key, self.value, self.scaling, self.pad_left, self.sliding_window, self.features
             )
         result = blockwise_attention(
             self.query, self.key, self.value, self.scaling, self.pad_left, self.sliding_window,
-            window_rows=min(window, self.query.shape[2]), column_sums=True,
+            window_rows=min(window, self.query.shape[2]), column_sums=True, features=self.features,
         )
         self._window, self._column_sums = result.window, result.column_sums
         return result.output
@@ -244,7 +256,7 @@ class PrefillContext:
         if self._window is None or self._window.shape[3] < window:
             self._window = blockwise_attention(
                 self.query, self.key, None, self.scaling, self.pad_left, self.sliding_window,
-                first_row=self.query.shape[2] - window, window_rows=window,
+                first_row=self.query.shape[2] - window, window_rows=window, features=self.features,
             ).window
         return self._window[:, :, :, self._window.shape[3] - window :]
 
@@ -252,6 +264,7 @@ class PrefillContext:
         """Attention each prompt key received, summed over real prompt queries and the GQA group: ``[B, H_kv, P]``."""
         if self._column_sums is None:
             self._column_sums = blockwise_attention(
-                self.query, self.key, None, self.scaling, self.pad_left, self.sliding_window, column_sums=True
+                self.query, self.key, None, self.scaling, self.pad_left, self.sliding_window, column_sums=True,
+                features=self.features,
             ).column_sums
         return self._column_sums

@@ -45,9 +45,9 @@ from dataclasses import dataclass, field, replace
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from lit_smd.kv.features import PLAIN, AttentionFeatures, attention, softmax_dtype
 from lit_smd.kv.shadow import use_flex
 
 __all__ = ["PackedPlan"]
@@ -105,39 +105,39 @@ class PackedPlan:
         scaling: float,
         dropout: float,
         sliding_window: int | None,
+        features: AttentionFeatures = PLAIN,
     ) -> torch.Tensor:
-        """Attention output ``[R, T_q, H_q, D]`` for ``query [R, H_q, T_q, D]``, ``key / value [R, H_kv, T_k, D]``."""
+        """Attention output ``[R, T_q, H_q, D]`` for ``query [R, H_q, T_q, D]``, ``key / value [R, H_kv, T_k, D]``.
+
+        ``features`` (softcap, sinks; `lit_smd.kv.features`) apply to the prompt and the slot queries alike.
+        """
         width = self.prompt_width
         if self.slots_only:
             prompt_keys, prompt_values = self.prompt_kv[layer_idx]
             out = self._attend_slots(layer_idx, query, prompt_keys, prompt_values, key, value, scaling, dropout,
-                                     sliding_window)  # fmt: skip
+                                     sliding_window, features)  # fmt: skip
             return out.transpose(1, 2).contiguous()
         if self.capture_prompt_kv:
             self.prompt_kv[layer_idx] = (key[:, :, :width].detach(), value[:, :, :width].detach())
         if use_flex(self.backend, query.device, dropout):
-            from lit_smd.kv.attention import _flex_attention
+            from lit_smd.kv.attention import flex_feature_attention
 
             block_mask = self._block_mask(layer_idx, query.shape[1], key.shape[1], sliding_window)
-            out = _flex_attention()(query, key, value, block_mask=block_mask, scale=scaling, enable_gqa=True)
-            return out.transpose(1, 2).contiguous()
-        group = query.shape[1] // key.shape[1]
-        prompt_args = {"dropout_p": dropout, "scale": scaling, "enable_gqa": group > 1}
-        if sliding_window is None or sliding_window >= width:
-            prompt_args["is_causal"] = True
-        else:
-            prompt_args["attn_mask"] = self._prompt_window_mask(sliding_window, query.device)
-        prompt_out = F.scaled_dot_product_attention(
-            query[:, :, :width], key[:, :, :width], value[:, :, :width], **prompt_args
+            return flex_feature_attention(query, key, value, block_mask, scaling, features).transpose(1, 2).contiguous()
+        windowed = sliding_window is not None and sliding_window < width
+        prompt_mask = self._prompt_window_mask(sliding_window, query.device) if windowed else None  # None = causal
+        prompt_out = attention(
+            query[:, :, :width], key[:, :, :width], value[:, :, :width], prompt_mask, scaling, features, dropout=dropout
         )  # [R, Hq, W, D]
         slot_out = self._attend_slots(
             layer_idx, query[:, :, width:], key[:, :, :width], value[:, :, :width], key[:, :, width:],
-            value[:, :, width:], scaling, dropout, sliding_window,
+            value[:, :, width:], scaling, dropout, sliding_window, features,
         )  # fmt: skip
         return torch.cat([prompt_out, slot_out], dim=2).transpose(1, 2).contiguous()
 
     def _attend_slots(
-        self, layer_idx, query, prompt_key, prompt_value, slot_key, slot_value, scaling, dropout, sliding_window
+        self, layer_idx, query, prompt_key, prompt_value, slot_key, slot_value, scaling, dropout, sliding_window,
+        features,
     ) -> torch.Tensor:
         """Slot queries ``[R, H_q, S*N, D]`` over the prompt keys ``[R, H_kv, W, D]`` and the slot keys
         ``[R, H_kv, S*N, D]`` -> ``[R, H_q, S*N, D]``.
@@ -148,7 +148,7 @@ class PackedPlan:
         (the inputs are slices of tensors the prompt's attention keeps anyway).
         """
 
-        def attention(query, prompt_key, prompt_value, slot_key, slot_value):
+        def slot_attention(query, prompt_key, prompt_value, slot_key, slot_value):
             rows, q_heads, _, dim = query.shape
             kv_heads, width, slots, new = prompt_key.shape[1], self.prompt_width, self.num_slots, self.slot_width
             group = q_heads // kv_heads
@@ -161,24 +161,30 @@ class PackedPlan:
             keys, values = per_slot(prompt_key, slot_key), per_slot(prompt_value, slot_value)
             queries = query.unflatten(2, (slots, new)).transpose(1, 2)  # [R, S, Hq, N, D]
             mask = self._slot_mask(layer_idx, sliding_window, query.device)  # [R*S, 1 or Hkv, N, W + N]
-            args = {"dropout_p": dropout, "scale": scaling, "enable_gqa": group > 1}
             if mask.shape[1] == 1 or kv_heads == 1:
                 batch, q_split, kv_split = rows * slots, q_heads, kv_heads
             else:  # one mask row per KV head: fold the KV heads into the batch, the mask broadcasts over each group
                 batch, q_split, kv_split = rows * slots * kv_heads, group, 1
-            out = F.scaled_dot_product_attention(
+            sinks = None
+            if features.sinks is not None:  # [batch, q_split, 1, 1]: query head (batch % Hkv) * G + g when folded
+                sinks = features.sinks.to(softmax_dtype(query.dtype)).view(1, -1, q_split, 1, 1)
+                sinks = sinks.expand(batch // sinks.shape[1], -1, -1, -1, -1).reshape(batch, q_split, 1, 1)
+            out = attention(
                 queries.reshape(batch, q_split, new, dim),
                 keys.reshape(batch, kv_split, width + new, dim),
                 values.reshape(batch, kv_split, width + new, dim),
-                attn_mask=mask.reshape(batch, -1, new, width + new),
-                **args,
+                mask.reshape(batch, -1, new, width + new),
+                scaling,
+                features,
+                dropout=dropout,
+                sinks=sinks,
             )  # [R*S(*Hkv), Hq (or G), N, D]
             return out.reshape(rows, slots, q_heads, new, dim).transpose(1, 2).reshape(rows, q_heads, slots * new, dim)
 
         inputs = (query, prompt_key, prompt_value, slot_key, slot_value)
         if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
-            return checkpoint(attention, *inputs, use_reentrant=False)
-        return attention(*inputs)
+            return checkpoint(slot_attention, *inputs, use_reentrant=False)
+        return slot_attention(*inputs)
 
     # ---------------------------------------------------------------------------------------------------- masks
 

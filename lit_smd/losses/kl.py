@@ -52,6 +52,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from lit_smd.losses.head import IDENTITY, LogitTransform
+
 # (student log-probs chunk [C, V] (owned), row slice, need_grad)
 #     -> (loss per row [C], stats per row [C, 3], d loss_rows / d scaled student logits [C, V] or None)
 _RowsFn = Callable[[Tensor, slice, bool], tuple[Tensor, Tensor, Tensor | None]]
@@ -135,6 +137,8 @@ def chunked_token_kl(
     mask: Tensor | None = None,
     normalizer: float | Tensor | None = None,
     chunk_size: int = 1024,
+    logit_transform: LogitTransform = IDENTITY,
+    teacher_logit_transform: LogitTransform = IDENTITY,
 ) -> KLOutput:
     """Full-vocabulary token KL fused with the lm_head and chunked over tokens.
 
@@ -161,6 +165,10 @@ def chunked_token_kl(
         normalizer: Denominator of the loss. ``None``: the mask sum (mean over valid tokens). A number or scalar
             tensor: used as is, e.g. the token count over all ranks or gradient-accumulation steps.
         chunk_size: Rows per chunk; memory scales with ``chunk_size * V``.
+        logit_transform: The student family's logit post-processing after the projection
+            (`lit_smd.losses.head.output_head`), applied per chunk; the gradients include it.
+        teacher_logit_transform: The teacher family's, applied to projected teacher hidden states (not to given
+            teacher logits).
 
     Returns:
         ``KLOutput`` with the loss and detached forward/reverse KL, student entropy and token count.
@@ -212,13 +220,15 @@ def chunked_token_kl(
             log_p = _scaled_log_softmax(teacher_rows[rows], temperature, dtype, owned=False)  # [C, V]
         else:
             teacher_logits = _linear(teacher_rows[rows], teacher_weight, teacher_bias)  # [C, V]
+            teacher_logits = _transformed(teacher_logits, teacher_logit_transform, dtype)  # [C, V]
             log_p = _scaled_log_softmax(teacher_logits, temperature, dtype, owned=True)  # [C, V]
             del teacher_logits
         return _full_kl_rows(log_q, log_p, forward_weight, reverse_weight, need_grad)
 
     return _fused_linear_kl(
-        student_hidden, lm_head_weight, lm_head_bias, rows_fn, dtype, temperature, mask, normalizer, chunk_size
-    )
+        student_hidden, lm_head_weight, lm_head_bias, rows_fn, dtype, temperature, mask, normalizer, chunk_size,
+        logit_transform,
+    )  # fmt: skip
 
 
 def sampled_reverse_kl(
@@ -296,6 +306,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         compute_dtype: torch.dtype,
         temperature: float,
         needs_grad: tuple[bool, bool, bool],
+        transform: LogitTransform,
     ) -> tuple[Tensor, Tensor]:
         need_any = any(needs_grad)
         grad_hidden = torch.empty_like(hidden) if needs_grad[0] else None  # [N, H]
@@ -306,24 +317,26 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             hidden_chunk = hidden[rows]  # [C, H]
-            # The chunk's log-probs go to rows_fn unnamed: it reuses their buffer in place.
+            logits = _transformed(_linear(hidden_chunk, weight, bias), transform, compute_dtype)  # [C, V]
+            # The chunk's log-probs go to rows_fn unnamed: it reuses their buffer in place. A softcap's gradient needs
+            # the capped logits, so they are then kept (one more [C, V] buffer).
+            owned = transform.softcap is None
             loss_rows, row_stats, grad_logits = rows_fn(
-                _scaled_log_softmax(_linear(hidden_chunk, weight, bias), temperature, compute_dtype, owned=True),
-                rows,
-                need_any,
+                _scaled_log_softmax(logits, temperature, compute_dtype, owned=owned), rows, need_any
             )  # [C], [C, 3], [C, V]
             loss += row_weights[rows] @ loss_rows
             stats.append(row_stats)
             if need_any:
-                # d/dz = (d/ds) / tau for s = z / tau, and each row's loss weight.
-                grad_logits = grad_logits.mul_(row_weights[rows, None] / temperature).to(hidden.dtype)  # [C, V]
+                # d/dz = (d/ds) / tau for s = z / tau, and each row's loss weight; then through the logit transform.
+                grad_logits = grad_logits.mul_(row_weights[rows, None] / temperature)  # [C, V]
+                grad_logits = transform.backward_(grad_logits, logits).to(hidden.dtype)  # [C, V] d/d projection
                 if grad_hidden is not None:
                     grad_hidden[rows] = grad_logits @ weight  # [C, H]
                 if grad_weight is not None:
                     grad_weight.addmm_(grad_logits.T, hidden_chunk)  # [V, H]
                 if grad_bias is not None:
                     grad_bias += grad_logits.sum(0)  # [V]
-            del grad_logits  # else it would live on beside the next chunk's logits
+            del grad_logits, logits  # else they would live on beside the next chunk's logits
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         stats = torch.cat(stats)  # [N, 3]
         ctx.mark_non_differentiable(stats)
@@ -336,7 +349,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         # Scaling in place spares a copy of each gradient buffer; a second backward (retain_graph) then fails
         # autograd's saved-tensor version check instead of silently double-scaling.
         grads = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in ctx.saved_tensors)
-        return (*grads, None, None, None, None, None, None)
+        return (*grads, None, None, None, None, None, None, None)
 
 
 def _fused_linear_kl(
@@ -349,6 +362,7 @@ def _fused_linear_kl(
     mask: Tensor | None,
     normalizer: float | Tensor | None,
     chunk_size: int,
+    transform: LogitTransform = IDENTITY,
 ) -> KLOutput:
     """Run ``_ChunkedLinearLoss`` over flattened tokens and package the ``KLOutput``."""
     if chunk_size < 1:
@@ -359,7 +373,7 @@ def _fused_linear_kl(
     grad_on = torch.is_grad_enabled()
     needs_grad = tuple(grad_on and t is not None and t.requires_grad for t in (hidden_rows, weight, bias))
     loss, stats = _ChunkedLinearLoss.apply(
-        hidden_rows, weight, bias, row_weights, rows_fn, chunk_size, dtype, temperature, needs_grad
+        hidden_rows, weight, bias, row_weights, rows_fn, chunk_size, dtype, temperature, needs_grad, transform
     )
     return _kl_output(loss, stats, weights)
 
@@ -409,6 +423,13 @@ def _rowdot(a: Tensor, b: Tensor) -> Tensor:
 def _linear(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
     """Logits ``[C, V]`` from hidden ``[C, H]``, in the input dtype."""
     return hidden @ weight.T if bias is None else torch.addmm(bias, hidden, weight.T)
+
+
+def _transformed(logits: Tensor, transform: LogitTransform, dtype: torch.dtype) -> Tensor:
+    """Projected logits ``[C, V]`` (an owned temporary) through the family's logit transform, in ``dtype``."""
+    if transform.identity:
+        return logits
+    return transform.apply_(logits.to(dtype))
 
 
 def _scaled_log_softmax(logits: Tensor, temperature: float, dtype: torch.dtype, owned: bool) -> Tensor:

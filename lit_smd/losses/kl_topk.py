@@ -25,6 +25,7 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lit_smd.losses.head import IDENTITY, LogitTransform
 from lit_smd.losses.kl import (
     KLOutput,
     _check_kl_args,
@@ -59,6 +60,7 @@ def topk_token_kl(
     mask: Tensor | None = None,
     normalizer: float | Tensor | None = None,
     chunk_size: int = 1024,
+    logit_transform: LogitTransform = IDENTITY,
 ) -> KLOutput:
     """Token KL against cached top-k teacher log-probs (DistillKit semantics).
 
@@ -93,6 +95,8 @@ def topk_token_kl(
         mask: Valid tokens, shape ``[N]`` or ``[B, T]``; bool, or float per-token weights. ``None`` keeps all.
         normalizer: Denominator of the loss; ``None`` is the mask sum (see ``chunked_token_kl``).
         chunk_size: Rows per chunk in the hidden-state form.
+        logit_transform: The student family's logit post-processing after the projection (hidden-state form;
+            `lit_smd.losses.head.output_head`).
 
     Returns:
         ``KLOutput``; ``forward_kl`` and ``reverse_kl`` are the top-k terms defined above.
@@ -154,8 +158,9 @@ def topk_token_kl(
         return loss_rows.detach(), torch.stack([forward_kl, reverse_kl, entropy], -1).detach(), grad
 
     return _fused_linear_kl(
-        student, lm_head_weight, lm_head_bias, rows_fn, dtype, temperature, mask, normalizer, chunk_size
-    )
+        student, lm_head_weight, lm_head_bias, rows_fn, dtype, temperature, mask, normalizer, chunk_size,
+        logit_transform,
+    )  # fmt: skip
 
 
 def _topk_kl_terms(

@@ -13,6 +13,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from lit_smd.losses.head import IDENTITY, LogitTransform
+
 __all__ = ["token_logprobs_and_entropy"]
 
 
@@ -24,6 +26,7 @@ def token_logprobs_and_entropy(
     *,
     temperature: float = 1.0,
     chunk_size: int = 1024,
+    logit_transform: LogitTransform = IDENTITY,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs of given tokens and the entropy, from hidden states, projecting to the vocabulary in chunks.
 
@@ -38,6 +41,7 @@ def token_logprobs_and_entropy(
         ids: ``[B, N]`` token ids to score.
         temperature: Softmax temperature.
         chunk_size: Rows per chunk.
+        logit_transform: The family's logit post-processing after the projection (`lit_smd.losses.head.output_head`).
 
     Returns:
         ``(logprobs [B, N], entropy [B, N])``; log-probs carry gradients, the entropy (nats) is detached.
@@ -68,7 +72,7 @@ def token_logprobs_and_entropy(
     logprobs, entropies = [], []
     for start in range(0, flat_ids.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
-        args = (flat_hidden[rows], weight, bias, flat_ids[rows], temperature, dtype)
+        args = (flat_hidden[rows], weight, bias, flat_ids[rows], temperature, dtype, logit_transform)
         if recompute:
             chunk_logprobs, chunk_entropy = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:
@@ -79,9 +83,15 @@ def token_logprobs_and_entropy(
 
 
 def _chunk_logprobs(
-    hidden: Tensor, weight: Tensor, bias: Tensor | None, ids: Tensor, temperature: float, dtype: torch.dtype
+    hidden: Tensor,
+    weight: Tensor,
+    bias: Tensor | None,
+    ids: Tensor,
+    temperature: float,
+    dtype: torch.dtype,
+    transform: LogitTransform,
 ) -> tuple[Tensor, Tensor]:
-    logits = F.linear(hidden, weight, bias).to(dtype) / temperature  # [C, V]
+    logits = transform.apply_(F.linear(hidden, weight, bias).to(dtype)) / temperature  # [C, V]
     log_norm = logits.logsumexp(dim=-1)  # [C]
     logprobs = logits.gather(-1, ids[:, None]).squeeze(-1) - log_norm  # [C]
     with torch.no_grad():

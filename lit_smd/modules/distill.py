@@ -68,7 +68,6 @@ from pathlib import Path
 from typing import Literal
 
 import torch
-import torch.nn.functional as F
 from lightning.pytorch import LightningModule
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -84,6 +83,7 @@ from lit_smd.fsdp import fsdp_strategy, gathered, shard_model, unsharded_attribu
 from lit_smd.learner_layout import LearnerLayout, check_learner_layout, learner_hidden_states
 from lit_smd.lora import LoraSettings, add_lora, check_lora, save_pretrained_merged
 from lit_smd.losses.grpo import masked_mean
+from lit_smd.losses.head import OutputHead, output_head
 from lit_smd.losses.kl import chunked_token_kl, sampled_reverse_kl
 from lit_smd.losses.kl_topk import TailMode, topk_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
@@ -266,10 +266,10 @@ class DistillModule(LightningModule):
                 generator = torch.Generator(self.device).manual_seed(self.sampling_seed)
                 rollout = self._generate(self.student, prompts, generator)
                 hidden = self._hidden(self.student, rollout)  # [B, N, H]
-                head = self.student.get_output_embeddings()
+                head = output_head(self.student)
                 _, entropy = token_logprobs_and_entropy(
                     hidden, head.weight, head.bias, rollout.completion_ids, temperature=self.temperature,
-                    chunk_size=self.logits_chunk_size,
+                    chunk_size=self.logits_chunk_size, logit_transform=head.transform,
                 )  # fmt: skip
         finally:
             self.student.train(was_training)
@@ -331,7 +331,7 @@ class DistillModule(LightningModule):
             The scalar loss (token mean over ``rollout.completion_mask``) and the statistics by log key.
         """
         mask = rollout.completion_mask  # [B, N]
-        head = self.student.get_output_embeddings()
+        head = output_head(self.student)
         chunk = self.logits_chunk_size
         weights = {"forward_weight": self.forward_weight, "reverse_weight": self.reverse_weight}
         common = {"temperature": self.temperature, "mask": mask, "chunk_size": chunk}
@@ -345,23 +345,25 @@ class DistillModule(LightningModule):
                 ids, logprobs = cached[0][..., : self.top_k], cached[1][..., : self.top_k]  # [B, N, k]
             out = topk_token_kl(
                 student_hidden, ids, logprobs, lm_head_weight=head.weight, lm_head_bias=head.bias, tail=self.tail,
-                **weights, **common,
+                logit_transform=head.transform, **weights, **common,
             )  # fmt: skip
             teacher_top1 = ids[..., 0].long()  # [B, N]: the top-k is sorted by decreasing log-prob
         else:
-            teacher_head = self.teacher.get_output_embeddings()
+            teacher_head = output_head(self.teacher)
             with torch.no_grad():
                 teacher_hidden = self._hidden(self.teacher, rollout)  # [B, N, H_T]
-            teacher_top1 = _chunked_argmax(teacher_hidden, teacher_head.weight, teacher_head.bias, chunk)  # [B, N]
+            teacher_top1 = _chunked_argmax(teacher_hidden, teacher_head, chunk)  # [B, N]
         if self.estimator == "full":
             out = chunked_token_kl(
                 student_hidden, head.weight, teacher_hidden, teacher_lm_head_weight=teacher_head.weight,
-                lm_head_bias=head.bias, teacher_lm_head_bias=teacher_head.bias, **weights, **common,
+                lm_head_bias=head.bias, teacher_lm_head_bias=teacher_head.bias, logit_transform=head.transform,
+                teacher_logit_transform=teacher_head.transform, **weights, **common,
             )  # fmt: skip
         if self.estimator == "sampled":
             ids = rollout.completion_ids
             logprobs, entropy = token_logprobs_and_entropy(
-                student_hidden, head.weight, head.bias, ids, temperature=self.temperature, chunk_size=chunk
+                student_hidden, head.weight, head.bias, ids, temperature=self.temperature, chunk_size=chunk,
+                logit_transform=head.transform,
             )  # [B, N] each, with gradient
             with torch.no_grad():
                 teacher_logprobs, _ = token_logprobs_and_entropy(
@@ -380,7 +382,7 @@ class DistillModule(LightningModule):
                 "distill/reverse_kl": out.reverse_kl,
                 "distill/student_entropy": out.student_entropy,
             }
-        student_top1 = _chunked_argmax(student_hidden, head.weight, head.bias, chunk)  # [B, N]
+        student_top1 = _chunked_argmax(student_hidden, head, chunk)  # [B, N]
         metrics["distill/top1_agreement"] = masked_mean((student_top1 == teacher_top1).double(), mask)
         return loss, metrics
 
@@ -585,10 +587,10 @@ class DistillModule(LightningModule):
 
 
 @torch.no_grad()
-def _chunked_argmax(hidden: Tensor, weight: Tensor, bias: Tensor | None, chunk_size: int) -> Tensor:
-    """``argmax(hidden @ weight.T + bias)``, ``chunk_size`` rows at a time: ``[..., H] -> [...]``."""
+def _chunked_argmax(hidden: Tensor, head: OutputHead, chunk_size: int) -> Tensor:
+    """``argmax(head(hidden))``, ``chunk_size`` rows at a time: ``[..., H] -> [...]``."""
     rows = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
-    top = [F.linear(rows[s : s + chunk_size], weight, bias).argmax(-1) for s in range(0, rows.shape[0], chunk_size)]
+    top = [head(rows[s : s + chunk_size]).argmax(-1) for s in range(0, rows.shape[0], chunk_size)]
     return torch.cat(top).view(hidden.shape[:-1])
 
 

@@ -103,6 +103,7 @@ from lit_smd.kv import Compressor
 from lit_smd.learner_layout import LearnerLayout, LearnerPass, check_learner_layout, learner_hidden_states
 from lit_smd.lora import LoraSettings, add_lora, check_lora, lora_disabled
 from lit_smd.losses.grpo import LossType, ScaleRewards, group_advantages, masked_mean, mismatch_stats, policy_loss
+from lit_smd.losses.head import output_head
 from lit_smd.losses.kl import KLOutput, chunked_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.losses.rollout_correction import RolloutCorrection, rollout_correction
@@ -428,7 +429,7 @@ class GRPOModule(LightningModule):
         Returns:
             ``KLOutput``; its ``loss`` is the token-mean KL, ``forward_kl`` (dense) / ``reverse_kl`` (masked) its value.
         """
-        lm_head = self.policy.get_output_embeddings()
+        head = output_head(self.policy)
         if masked is None:
             masked = self._pass(self.policy, rollout, shadow=True, keep_prompt_kv=self.kl_stop_gradient == "dense")
         masked_hidden = masked.hidden  # [B, N, H]
@@ -438,21 +439,25 @@ class GRPOModule(LightningModule):
                 dense_hidden = masked.dense_hidden()  # [B, N, H]
             return chunked_token_kl(
                 masked_hidden,
-                lm_head.weight,
+                head.weight,
                 dense_hidden,
-                teacher_lm_head_weight=lm_head.weight,
-                lm_head_bias=lm_head.bias,
-                teacher_lm_head_bias=lm_head.bias,
+                teacher_lm_head_weight=head.weight,
+                lm_head_bias=head.bias,
+                teacher_lm_head_bias=head.bias,
+                logit_transform=head.transform,
+                teacher_logit_transform=head.transform,
                 **common,
             )
         dense_hidden = self._pass(self.policy, rollout, shadow=False).hidden  # [B, N, H]
         return chunked_token_kl(
             dense_hidden,
-            lm_head.weight,
+            head.weight,
             masked_hidden.detach(),
-            teacher_lm_head_weight=lm_head.weight,
-            lm_head_bias=lm_head.bias,
-            teacher_lm_head_bias=lm_head.bias,
+            teacher_lm_head_weight=head.weight,
+            lm_head_bias=head.bias,
+            teacher_lm_head_bias=head.bias,
+            logit_transform=head.transform,
+            teacher_logit_transform=head.transform,
             forward_weight=0.0,
             reverse_weight=1.0,
             **common,
@@ -630,10 +635,11 @@ class GRPOModule(LightningModule):
         return learner_hidden_states(model, rollout, shadow=shadow, layout=layout, keep_prompt_kv=keep_prompt_kv)
 
     def _token_logprobs(self, model: PreTrainedModel, hidden: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
-        lm_head = model.get_output_embeddings()
+        head = output_head(model)
         return token_logprobs_and_entropy(
-            hidden, lm_head.weight, lm_head.bias, ids, temperature=self.temperature, chunk_size=self.logits_chunk_size
-        )
+            hidden, head.weight, head.bias, ids, temperature=self.temperature, chunk_size=self.logits_chunk_size,
+            logit_transform=head.transform,
+        )  # fmt: skip
 
     @torch.no_grad()
     def _old_logprobs(self, rollout: Rollout, minibatch_size: int | None) -> Tensor:

@@ -36,6 +36,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from lit_smd.atomic import publish_dir
 from lit_smd.datamodules.sft import IGNORE_INDEX
 from lit_smd.fsdp import fsdp_strategy, shard_model, unsharded_attribute
+from lit_smd.losses.head import output_head
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.models import load_causal_lm, load_tokenizer
 from lit_smd.modules._common import (
@@ -137,14 +138,13 @@ class SFTModule(LightningModule):
         targets = labels[:, 1:]  # [B, T-1]
         mask = targets != IGNORE_INDEX
         rows = hidden[mask]  # [n, H]: only labelled positions reach the vocabulary projection
-        lm_head = self.policy.get_output_embeddings()
+        head = output_head(self.policy)
         logprobs, _ = token_logprobs_and_entropy(
-            rows[None], lm_head.weight, lm_head.bias, targets[mask][None], chunk_size=self.logits_chunk_size
+            rows[None], head.weight, head.bias, targets[mask][None], chunk_size=self.logits_chunk_size,
+            logit_transform=head.transform,
         )  # [1, n]
         with torch.no_grad():
-            greedy = torch.cat(
-                [lm_head(chunk).argmax(-1) for chunk in rows.detach().split(self.logits_chunk_size)]
-            )  # [n]
+            greedy = torch.cat([head(chunk).argmax(-1) for chunk in rows.detach().split(self.logits_chunk_size)])  # [n]
         out_logprobs = hidden.new_zeros(targets.shape, dtype=logprobs.dtype).masked_scatter(mask, logprobs[0])
         correct = torch.ones_like(mask).masked_scatter(mask, greedy == targets[mask])
         return out_logprobs, correct

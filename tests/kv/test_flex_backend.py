@@ -24,3 +24,30 @@ def test_flex_forward_replays_shadow_mask_on_cpu(peaky_model_factory):
         sdpa = score(model, rollout, backend="sdpa")
     assert (flex - rollout.logprobs).abs().max() <= 1e-4
     assert (flex - sdpa).abs().max() <= 1e-4
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "model_type",
+    [
+        "gemma2",
+        pytest.param(
+            "gpt_oss",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="compiled flex on CPU returns no lse (torch 2.13)"
+            ),
+        ),
+    ],
+)
+def test_flex_forward_honours_softcap_and_sinks(model_type):
+    """Gemma 2's softcap (a score_mod) and GPT-OSS's sinks (an lse rescaling) on the FlexAttention path."""
+    from tests.test_families import build, sample
+
+    model = build(model_type).float()
+    rollout = sample(model, make_compressor("prefill_then_decode", budget=0.5), num_samples=2)
+    with torch.no_grad():
+        flex = score(model, rollout, backend="flex")
+        sdpa = score(model, rollout, backend="sdpa")
+    mask = rollout.completion_mask
+    assert (flex - sdpa)[mask].abs().max() <= 1e-4
+    assert (flex - rollout.logprobs)[mask].abs().max() <= 1e-4

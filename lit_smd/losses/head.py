@@ -1,0 +1,147 @@
+"""The output head of a causal LM as its ``forward`` applies it: the projection, then the logit post-processing.
+
+lit_smd's learner, teacher, scoring and sampling paths keep final hidden states and project them to the vocabulary
+themselves (a chunk of rows at a time), so they must apply what the model's ``forward`` does to its logits after the
+lm_head, or they score a different model:
+
+* Granite (and its MoE / hybrid variants): ``logits / config.logits_scaling``;
+* Cohere / Cohere2 (Command R): ``logits * config.logit_scale``;
+* Gemma 2 / Gemma 3: final logit softcapping, ``c * tanh(logits / c)`` with ``c = config.final_logit_softcapping``.
+
+`output_head` reads this from the model once, as an `OutputHead`: the lm_head's weight and bias and a
+`LogitTransform` (a multiplier, then an optional softcap). It refuses, by name, a model whose config carries a logit
+attribute it does not know how to apply (`LOGIT_ATTRIBUTES`) rather than assume the plain projection.
+
+The transform runs in float32 (float64 for float64 models), after the projection. The rollout samples from the model's
+own forward, which applies it in the model dtype: the two agree to float rounding in float32 and float64; in bfloat16
+a softcapped family's sampler and learner differ by bfloat16's rounding of the capped logits.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+
+__all__ = ["IDENTITY", "LOGIT_ATTRIBUTES", "LogitTransform", "OutputHead", "output_head"]
+
+LOGIT_ATTRIBUTES: dict[str, str] = {
+    "logits_scaling": "divides the logits (Granite)",
+    "logit_scale": "multiplies the logits (Cohere)",
+    "final_logit_softcapping": "softcaps the logits (Gemma 2/3)",
+    "output_multiplier_scale": "multiplies the logits",
+    "lm_head_multiplier": "multiplies the logits",
+    "mup_width_multiplier": "divides the logits (muP)",
+    "logits_soft_cap": "softcaps the logits",
+}
+"""Config attributes through which families post-process their logits (and what they do)."""
+
+_SCALED_BY_DIVISOR = {"granite", "granitemoe", "granitemoeshared", "granitemoehybrid"}
+_SCALED_BY_MULTIPLIER = {"cohere", "cohere2"}
+_SOFTCAPPED = {"gemma2", "gemma3", "gemma3_text"}
+
+
+@dataclass(frozen=True)
+class LogitTransform:
+    """``logits = softcap(scale * projection)``, the family's post-processing of the lm_head's output.
+
+    Attributes:
+        scale: Multiplier of the projected logits (Granite: ``1 / logits_scaling``; Cohere: ``logit_scale``).
+        softcap: Final logit softcapping ``c``: ``c * tanh(z / c)``; None = off.
+    """
+
+    scale: float = 1.0
+    softcap: float | None = None
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.scale, (int, float)) and 0 < self.scale < float("inf")):
+            raise ValueError(f"LogitTransform.scale must be a finite number > 0, got {self.scale!r}")
+        if self.softcap is not None and not (isinstance(self.softcap, (int, float)) and self.softcap > 0):
+            raise ValueError(f"LogitTransform.softcap must be > 0 or None, got {self.softcap!r}")
+
+    @property
+    def identity(self) -> bool:
+        return self.scale == 1.0 and self.softcap is None
+
+    def apply_(self, logits: Tensor) -> Tensor:
+        """Transform projected logits ``[..., V]`` (a buffer the caller owns), in place unless autograd records them."""
+        if logits.requires_grad:
+            logits = logits * self.scale if self.scale != 1.0 else logits
+            return logits if self.softcap is None else torch.tanh(logits / self.softcap) * self.softcap
+        if self.scale != 1.0:
+            logits.mul_(self.scale)
+        if self.softcap is not None:
+            logits.div_(self.softcap).tanh_().mul_(self.softcap)
+        return logits
+
+    def backward_(self, grad: Tensor, logits: Tensor) -> Tensor:
+        """Turn ``d loss / d logits`` into ``d loss / d projection`` in place, given the transformed ``logits``.
+
+        ``d/du [c * tanh(s * u / c)] = s * (1 - (z / c)^2)`` with ``z`` the transformed logit.
+        """
+        if self.softcap is not None:
+            grad.mul_(1.0 - (logits / self.softcap).square())
+        if self.scale != 1.0:
+            grad.mul_(self.scale)
+        return grad
+
+
+IDENTITY = LogitTransform()
+"""The plain projection (most families)."""
+
+
+@dataclass(frozen=True)
+class OutputHead:
+    """An lm_head and the logit post-processing of its model's ``forward``.
+
+    Attributes:
+        weight: ``[V, H]`` output projection.
+        bias: ``[V]`` output bias, or None.
+        transform: What the model's ``forward`` does to the projected logits.
+    """
+
+    weight: Tensor
+    bias: Tensor | None = None
+    transform: LogitTransform = IDENTITY
+
+    def __call__(self, hidden: Tensor) -> Tensor:
+        """Logits ``[..., V]`` of hidden states ``[..., H]``, in float32 (float64 for float64 inputs)."""
+        dtype = torch.float64 if torch.float64 in (hidden.dtype, self.weight.dtype) else torch.float32
+        return self.transform.apply_(F.linear(hidden, self.weight, self.bias).to(dtype))  # [..., V]
+
+
+def output_head(model: torch.nn.Module) -> OutputHead:
+    """The `OutputHead` of a transformers causal LM: its output embeddings and its family's logit post-processing.
+
+    Args:
+        model: A transformers causal LM (``get_output_embeddings()`` returns its lm_head).
+
+    Returns:
+        The head; its tensors are the model's parameters (gradients flow into them).
+
+    Raises:
+        NotImplementedError: The model's config carries a logit attribute of `LOGIT_ATTRIBUTES` that lit_smd does not
+            apply for its model type (names both), or the model has no output embeddings.
+    """
+    config = model.config.get_text_config()
+    model_type = getattr(config, "model_type", type(model).__name__)
+    lm_head = model.get_output_embeddings()
+    if lm_head is None or not isinstance(getattr(lm_head, "weight", None), Tensor):
+        raise NotImplementedError(f"{type(model).__name__} ({model_type}) has no output embeddings with a weight")
+    scale, softcap, known = 1.0, None, set()
+    if model_type in _SCALED_BY_DIVISOR:
+        scale, known = 1.0 / float(config.logits_scaling), {"logits_scaling"}
+    elif model_type in _SCALED_BY_MULTIPLIER:
+        scale, known = float(config.logit_scale), {"logit_scale"}
+    elif model_type in _SOFTCAPPED:
+        softcap, known = getattr(config, "final_logit_softcapping", None), {"final_logit_softcapping"}
+    for name, meaning in LOGIT_ATTRIBUTES.items():
+        if name not in known and getattr(config, name, None) not in (None, 1, 1.0):
+            raise NotImplementedError(
+                f"model type {model_type!r} sets config.{name}={getattr(config, name)!r}, which {meaning} in its "
+                "forward; lit_smd does not apply it for this model type, so its learner log-probs would be wrong"
+            )
+    bias = getattr(lm_head, "bias", None)
+    return OutputHead(lm_head.weight, bias, LogitTransform(scale=scale, softcap=softcap))

@@ -1,0 +1,123 @@
+"""`lit_smd.losses.head`: the family's logit post-processing, against transformers' forward and autograd."""
+
+import pytest
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lit_smd.losses.head import LogitTransform, output_head
+from lit_smd.losses.kl import chunked_token_kl, token_kl
+from lit_smd.losses.kl_topk import topk_token_kl
+from lit_smd.losses.logprobs import token_logprobs_and_entropy
+
+TINY = {"vocab_size": 50, "hidden_size": 32, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 1, "head_dim": 16, "intermediate_size": 64}  # fmt: skip
+
+
+def tiny(model_type: str, **overrides) -> torch.nn.Module:
+    config = AutoConfig.for_model(model_type, **TINY, **overrides)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(config, attn_implementation="eager").double().eval()
+
+
+@pytest.mark.parametrize(
+    ("model_type", "overrides", "transform"),
+    [
+        ("llama", {}, LogitTransform()),
+        ("granite", {"logits_scaling": 4.0}, LogitTransform(scale=0.25)),
+        ("cohere", {"logit_scale": 0.5}, LogitTransform(scale=0.5)),
+        ("gemma2", {"final_logit_softcapping": 0.7}, LogitTransform(softcap=0.7)),
+        ("gemma3_text", {"final_logit_softcapping": 0.7}, LogitTransform(softcap=0.7)),
+    ],
+)
+def test_output_head_computes_the_logits_of_the_models_forward(model_type, overrides, transform):
+    model = tiny(model_type, **overrides)
+    head = output_head(model)
+    assert head.transform == transform
+    ids = torch.randint(0, 50, (2, 7), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        hidden = model.get_decoder()(input_ids=ids).last_hidden_state  # [2, 7, H]
+        expected = model(input_ids=ids).logits  # transformers' own post-processing
+    torch.testing.assert_close(head(hidden), expected, rtol=0, atol=1e-13)
+
+
+def test_unknown_logit_attributes_are_refused_by_model_type_and_name():
+    model = tiny("llama")
+    model.config.logits_scaling = 2.0  # a Llama-type model whose (remote) forward would divide its logits
+    with pytest.raises(NotImplementedError, match=r"'llama'.*logits_scaling=2\.0"):
+        output_head(model)
+
+
+def test_logit_transform_checks_its_fields():
+    with pytest.raises(ValueError, match="scale"):
+        LogitTransform(scale=0.0)
+    with pytest.raises(ValueError, match="softcap"):
+        LogitTransform(softcap=-1.0)
+
+
+TRANSFORM = LogitTransform(scale=0.5, softcap=2.0)
+
+
+def _inputs(seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, 5, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    weight = torch.randn(11, 8, dtype=torch.float64, generator=g, requires_grad=True)
+    bias = torch.randn(11, dtype=torch.float64, generator=g, requires_grad=True)
+    return hidden, weight, bias
+
+
+def _reference_logits(hidden, weight, bias):
+    return torch.tanh((hidden @ weight.T + bias) * 0.5 / 2.0) * 2.0
+
+
+def _grads(loss, tensors):
+    return torch.autograd.grad(loss, tensors)
+
+
+def test_token_logprobs_apply_the_transform_with_its_gradient():
+    hidden, weight, bias = _inputs()
+    ids = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1))
+    logprobs, _ = token_logprobs_and_entropy(
+        hidden, weight, bias, ids, temperature=0.7, chunk_size=3, logit_transform=TRANSFORM
+    )
+    reference = torch.log_softmax(_reference_logits(hidden, weight, bias) / 0.7, -1).gather(-1, ids[..., None])[..., 0]
+    torch.testing.assert_close(logprobs, reference, rtol=0, atol=1e-13)
+    for ours, theirs in zip(_grads(logprobs.sum(), (hidden, weight, bias)),
+                            _grads(reference.sum(), (hidden, weight, bias)), strict=True):  # fmt: skip
+        torch.testing.assert_close(ours, theirs, rtol=1e-10, atol=1e-12)
+
+
+@pytest.mark.parametrize(("forward_weight", "reverse_weight"), [(1.0, 0.0), (0.3, 0.7)])
+def test_chunked_token_kl_applies_both_transforms_with_their_gradients(forward_weight, reverse_weight):
+    hidden, weight, bias = _inputs()
+    teacher_hidden, teacher_weight, _ = _inputs(seed=2)
+    teacher_transform = LogitTransform(scale=2.0)
+    out = chunked_token_kl(
+        hidden, weight, teacher_hidden, teacher_lm_head_weight=teacher_weight, lm_head_bias=bias,
+        forward_weight=forward_weight, reverse_weight=reverse_weight, temperature=0.7, chunk_size=3,
+        logit_transform=TRANSFORM, teacher_logit_transform=teacher_transform,
+    )  # fmt: skip
+    reference = token_kl(
+        _reference_logits(hidden, weight, bias), (teacher_hidden @ teacher_weight.T) * 2.0,
+        forward_weight=forward_weight, reverse_weight=reverse_weight, temperature=0.7,
+    )  # fmt: skip
+    torch.testing.assert_close(out.loss, reference, rtol=1e-12, atol=1e-14)
+    for ours, theirs in zip(_grads(out.loss, (hidden, weight, bias)),
+                            _grads(reference, (hidden, weight, bias)), strict=True):  # fmt: skip
+        torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-12)
+
+
+def test_topk_token_kl_applies_the_transform_with_its_gradient():
+    hidden, weight, bias = _inputs()
+    g = torch.Generator().manual_seed(3)
+    teacher = torch.log_softmax(torch.randn(2, 5, 11, dtype=torch.float64, generator=g), -1).topk(4, dim=-1)
+    out = topk_token_kl(
+        hidden, teacher.indices, teacher.values, lm_head_weight=weight, lm_head_bias=bias, tail="bucket",
+        reverse_weight=0.5, chunk_size=3, logit_transform=TRANSFORM,
+    )  # fmt: skip
+    reference = topk_token_kl(
+        _reference_logits(hidden, weight, bias), teacher.indices, teacher.values, tail="bucket", reverse_weight=0.5
+    )
+    torch.testing.assert_close(out.loss, reference.loss, rtol=1e-12, atol=1e-14)
+    for ours, theirs in zip(_grads(out.loss, (hidden, weight, bias)),
+                            _grads(reference.loss, (hidden, weight, bias)), strict=True):  # fmt: skip
+        torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-12)

@@ -1,0 +1,197 @@
+"""Every supported decoder family, exactly: the lit_smd attention and output head against transformers' own.
+
+Each family is a tiny random float64 model (4 layers, hidden 64, 4 query / 2 KV heads) with its distinctive features
+switched on: Gemma 2's attention and final logit softcapping and alternating sliding windows, GPT-OSS's attention
+sinks and sliding windows, Granite's attention / logits multipliers, Cohere's logit scale, the MoE routers of
+Qwen3-MoE and GPT-OSS (transformers' eager experts, which run in float64). Per family:
+
+* a rollout that evicts nothing (`SnapKV(1.0)`) samples with the log-probs of transformers' *eager* attention and
+  forward on the same tokens (the independent reference; eager's softmax is float32 for most families, so the bound
+  is float32 rounding, ~1e-6);
+* the learner replays the rollout exactly (float64 rounding) under every compressor, per row and with the shared
+  prompt packed once per group, while the dense view differs;
+* one GRPO (SMD) step and one distillation step train the model with finite losses.
+"""
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lit_smd.kv import COMPRESSORS, H2O, PrefillThenDecode, SnapKV, ensure_attention
+from lit_smd.learner_layout import learner_hidden_states
+from lit_smd.losses.head import output_head
+from lit_smd.modules.distill import DistillModule
+from lit_smd.modules.grpo import GRPOModule
+from lit_smd.rollout import Rollout, generate, score
+
+from .kv.conftest import make_compressor
+
+VOCAB = 103  # the tiny tokenizer of tests/conftest.py (distillation reads its text)
+COMMON = {
+    "vocab_size": VOCAB,
+    "hidden_size": 64,
+    "num_hidden_layers": 4,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 16,
+    "intermediate_size": 128,
+    "initializer_range": 0.35,
+    "max_position_embeddings": 512,
+    "pad_token_id": 0,
+    "bos_token_id": 1,
+    "eos_token_id": 2,
+}
+ALTERNATING = ["sliding_attention", "full_attention"] * 2
+
+FAMILIES: dict[str, dict] = {
+    "llama": {},
+    "mistral": {"sliding_window": None},
+    "qwen2": {},
+    "qwen3": {},
+    "qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32},
+    "gemma2": {
+        "sliding_window": 8, "layer_types": ALTERNATING, "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 3.0, "query_pre_attn_scalar": 24,
+    },
+    "gemma3_text": {"sliding_window": 8, "layer_types": ALTERNATING, "final_logit_softcapping": 3.0},
+    "gpt_oss": {"sliding_window": 8, "layer_types": ALTERNATING, "num_local_experts": 4, "num_experts_per_tok": 2},
+    "phi3": {},
+    "olmo2": {},
+    "starcoder2": {},
+    "granite": {
+        "attention_multiplier": 0.5, "logits_scaling": 4.0, "embedding_multiplier": 2.0, "residual_multiplier": 0.5,
+    },
+    "cohere": {"logit_scale": 0.5},
+}  # fmt: skip
+"""Tested families (transformers model types) and the config switches that exercise their features."""
+
+EAGER_TOLERANCE = 1e-5  # eager's float32 softmax; GPT-OSS (float64 softmax) agrees to ~1e-13
+EXACT = 1e-12
+
+
+def build(model_type: str, seed: int = 0) -> torch.nn.Module:
+    config = AutoConfig.for_model(model_type, **{**COMMON, **FAMILIES[model_type]})
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation="lit_smd", dtype=torch.float32, experts_implementation="eager"
+        )
+    return model.to(torch.float64).eval()
+
+
+def prompts(num_prompts: int = 2, width: int = 24) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random left-padded prompts (the second is 5 tokens shorter)."""
+    ids = torch.randint(3, VOCAB, (num_prompts, width), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones(num_prompts, width, dtype=torch.bool)
+    mask[1:, :5] = False
+    return ids.masked_fill(~mask, 0), mask
+
+
+def sample(model, compressor, *, num_samples: int = 1, max_new_tokens: int = 10, seed: int = 1) -> Rollout:
+    ids, mask = prompts()
+    return generate(
+        model, ids, mask, compressor=compressor, max_new_tokens=max_new_tokens, num_samples=num_samples,
+        generator=torch.Generator().manual_seed(seed),
+    )  # fmt: skip
+
+
+def eager_logprobs(model, rollout: Rollout) -> torch.Tensor:
+    """``[B, N]`` completion log-probs from transformers' eager attention and forward, one unpadded row at a time."""
+    reference = copy.deepcopy(model)
+    reference.set_attn_implementation("eager")
+    rows = []
+    for b in range(len(rollout)):
+        prompt = rollout.prompt_ids[b][rollout.prompt_mask[b]]
+        ids = torch.cat([prompt, rollout.completion_ids[b]])[None]  # [1, P + N]
+        with torch.no_grad():
+            logits = reference(input_ids=ids).logits[0, len(prompt) - 1 : -1]  # [N, V]
+        logprobs = torch.log_softmax(logits.double(), -1)
+        rows.append(logprobs.gather(-1, rollout.completion_ids[b][:, None])[:, 0])
+    return torch.stack(rows)
+
+
+@pytest.fixture(params=sorted(FAMILIES))
+def model_type(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+def test_keep_all_rollout_matches_transformers_eager(model_type):
+    model = build(model_type)
+    with pytest.warns(UserWarning, match="evicts nothing"):
+        rollout = sample(model, SnapKV(1.0, window=4))
+    mask = rollout.completion_mask
+    gap = (rollout.logprobs - eager_logprobs(model, rollout))[mask].abs().max()
+    assert gap <= EAGER_TOLERANCE, f"{model_type}: keep-all rollout vs transformers eager differs by {gap:.2e}"
+
+
+def test_replay_is_exact_under_every_compressor_and_the_dense_view_differs(model_type):
+    model = build(model_type)
+    gaps = {}
+    for name in sorted(COMPRESSORS):
+        rollout = sample(model, make_compressor(name, budget=0.5), num_samples=2)
+        mask = rollout.completion_mask
+        with torch.no_grad():
+            replay = score(model, rollout, shadow=True)
+            packed = output_head(model)(learner_hidden_states(model, rollout, layout="shared_prefix").hidden)
+            dense = score(model, rollout, shadow=False)
+        packed = torch.log_softmax(packed, -1).gather(-1, rollout.completion_ids[..., None])[..., 0]
+        assert (replay - rollout.logprobs)[mask].abs().max() <= EXACT, f"{model_type} / {name}: per-row replay"
+        assert (packed - rollout.logprobs)[mask].abs().max() <= EXACT, f"{model_type} / {name}: shared-prefix replay"
+        gaps[name] = float((dense - rollout.logprobs)[mask].abs().max())
+    assert max(gaps.values()) > 1e-3, f"{model_type}: eviction never changed a log-prob ({gaps})"
+
+
+def _trainer() -> L.Trainer:
+    return L.Trainer(
+        max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False, accelerator="cpu",
+        enable_model_summary=False,
+    )  # fmt: skip
+
+
+def _parameters(model) -> list[torch.Tensor]:
+    return [p.detach().clone() for p in model.parameters()]
+
+
+def _changed(before, model) -> bool:
+    return any(not torch.equal(a, b) for a, b in zip(before, model.parameters(), strict=True))
+
+
+def _sgd(params):
+    return torch.optim.SGD(params, lr=1e-2)
+
+
+def test_one_grpo_step(model_type):
+    policy = build(model_type)
+    compressor = PrefillThenDecode(SnapKV(0.5, window=4), H2O(0.5, window=2))
+    rollout = sample(policy, compressor, num_samples=2, max_new_tokens=6)
+    module = GRPOModule(policy, mode="smd", compressor=compressor, optimizer=_sgd, logits_chunk_size=7)
+    experience = module.make_experience(rollout, torch.tensor([0.0, 1.0, 1.0, 0.0]), group_size=2)
+    before = _parameters(policy)
+    trainer = _trainer()
+    trainer.fit(module, train_dataloaders=DataLoader([experience], batch_size=None))
+    assert _changed(before, policy)
+    metrics = trainer.callback_metrics
+    assert all(torch.isfinite(torch.as_tensor(v)).all() for v in metrics.values())
+    assert float(metrics["mismatch/logprob_abs_diff_max"]) <= EXACT
+
+
+def test_one_distillation_step(model_type, tokenizer):
+    from tests.modules.test_distill_module import data
+
+    student, teacher = build(model_type, seed=0), build(model_type, seed=1)
+    before, teacher_before = _parameters(student), _parameters(teacher)
+    module = DistillModule(student, teacher, max_new_tokens=4, optimizer=_sgd, logits_chunk_size=5)
+    trainer = _trainer()
+    trainer.fit(module, data(tokenizer))
+    assert _changed(before, student) and not _changed(teacher_before, teacher)
+    assert all(torch.isfinite(torch.as_tensor(v)).all() for v in trainer.callback_metrics.values())
+
+
+def test_every_tested_family_routes_attention_through_lit_smd(model_type):
+    model = build(model_type)
+    ensure_attention(model)
+    assert model.config._attn_implementation == "lit_smd"
