@@ -160,8 +160,10 @@ class RolloutLearner(Protocol):
         max_completion_length: int | None = None,
         num_iterations: int = 1,
         minibatch_size: int | None = None,
+        reward_metrics: dict[str, float] | None = None,
+        timings: dict[str, float] | None = None,
     ) -> Experience:
-        """Advantages, ratio denominators, reference log-probs and metrics of a scored rollout batch."""
+        """Advantages, ratio denominators, reference log-probs and every metric of a scored rollout batch."""
         ...
 
 

@@ -137,10 +137,8 @@ class RolloutDataModule(ResumableDataModule):
             micro-batch is compressed before the next, so the rollout's memory peak is one micro-batch's prefill
             plus the budgeted cache of all rows.
 
-    Logged with each rollout batch (besides the learner's ``rollout/`` keys): ``time/generate_s``,
-    ``time/reward_s``, ``time/rollout_s`` and, for compressed rollouts, ``kv/visible_fraction/prompt`` (share of
-    the prompt's keys kept after the prefill) and ``kv/visible_fraction/decode`` (share of the keys seen so far
-    that the decode steps' queries could see; `lit_smd.kv.ShadowMask.visible_fraction_by_phase`).
+    The learner logs each rollout batch's metrics (docs/logged_keys.md); the data side measures and hands it
+    ``time/generate_s``, ``time/reward_s`` and what the reward functions logged (``rollout/reward_metric/<name>``).
     """
 
     def __init__(
@@ -435,8 +433,7 @@ class RolloutDataModule(ResumableDataModule):
         generated = time.perf_counter()
         rewards = self.score(rollout, rows)
         scored = time.perf_counter()
-        experience_metrics = {f"rollout/reward_metric/{name}": value for name, value in rewards.metrics.items()}
-        experience = learner.make_experience(
+        return learner.make_experience(
             rollout,
             rewards.total,
             group_size=self.num_generations,
@@ -444,21 +441,9 @@ class RolloutDataModule(ResumableDataModule):
             max_completion_length=self.max_new_tokens,
             num_iterations=self.num_iterations,
             minibatch_size=self.minibatch_size,
+            reward_metrics=rewards.metrics,
+            timings={"time/generate_s": generated - start, "time/reward_s": scored - generated},
         )
-        _synchronize(device)
-        done = time.perf_counter()
-        experience.metrics.update(
-            {
-                **experience_metrics,
-                "time/generate_s": generated - start,
-                "time/reward_s": scored - generated,
-                "time/rollout_s": done - start,
-            }
-        )
-        if rollout.shadow_mask is not None:
-            phases = rollout.shadow_mask.visible_fraction_by_phase(rollout.prompt_lengths, rollout.completion_mask)
-            experience.metrics.update({f"kv/visible_fraction/{phase}": float(value) for phase, value in phases.items()})
-        return experience
 
     def score(self, rollout: Rollout, rows: dict[str, list]) -> Any:
         """Decode the completions and run the reward functions (`lit_smd.rewards.RewardOutput`).

@@ -1,8 +1,8 @@
 """The statistics `lit_smd.modules.GRPOModule` logs about its rollout batches (docs/logged_keys.md).
 
-``rollout/`` (rewards, advantages, lengths), ``kv/`` (compressed rollouts) and ``sparse_rl/`` (the Sparse-RL correction)
-are attached by `make_experience` and logged once per rollout batch, with its first minibatch; ``rollout_correction/``
-is computed and logged with every minibatch.
+`batch_metrics`: ``rollout/`` (rewards, advantages, lengths), ``kv/`` (compressed rollouts), ``sparse_rl/`` (the
+Sparse-RL correction) and ``time/`` (the rollout's phases), computed by `make_experience` and logged once per rollout
+batch, with its first minibatch. `rollout_correction_metrics`: computed and logged with every minibatch.
 """
 
 import torch
@@ -13,10 +13,28 @@ from lit_smd.losses.sparse_rl import SparseRLCorrection
 from lit_smd.rollout import Rollout
 
 
-def rollout_metrics(
-    rollout: Rollout, rewards: Tensor, advantages: Tensor, group_size: int, components: dict[str, Tensor]
+def batch_metrics(
+    rollout: Rollout,
+    rewards: Tensor,
+    advantages: Tensor,
+    group_size: int,
+    components: dict[str, Tensor],
+    reward_metrics: dict[str, float],
+    sparse_rl: SparseRLCorrection | None,
+    timings: dict[str, float],
 ) -> dict[str, float]:
-    """Reward, advantage, length and KV statistics of one rollout batch."""
+    """Every statistic of one rollout batch: rewards, advantages, lengths, KV visibility, Sparse-RL, times.
+
+    Args:
+        rollout: The batch's ``B`` completions.
+        rewards: ``[B]`` total rewards.
+        advantages: ``[B]`` group advantages.
+        group_size: G, completions per prompt.
+        components: Each reward function's ``[B]`` values by name (NaN where it abstained).
+        reward_metrics: What the reward functions logged, by name.
+        sparse_rl: The batch's Sparse-RL correction, or None.
+        timings: ``time/*`` seconds; ``time/rollout_s`` is their sum.
+    """
     rewards = rewards.double()
     grouped = rewards.view(-1, group_size)  # [B / G, G]
     lengths = rollout.completion_lengths.double()  # [B]
@@ -33,17 +51,17 @@ def rollout_metrics(
     }
     for name, values in components.items():
         metrics[f"rollout/reward/{name}"] = torch.as_tensor(values).double().nanmean()  # NaN: the function abstained
-    if rollout.shadow_mask is not None:
-        metrics["kv/visible_fraction"] = rollout.shadow_mask.visible_fraction(
-            rollout.prompt_lengths, rollout.completion_mask
-        )
+    metrics |= {f"rollout/reward_metric/{name}": value for name, value in reward_metrics.items()}
+    shadow = rollout.shadow_mask
+    if shadow is not None:
+        metrics["kv/visible_fraction"] = shadow.visible_fraction(rollout.prompt_lengths, rollout.completion_mask)
+        phases = shadow.visible_fraction_by_phase(rollout.prompt_lengths, rollout.completion_mask)
+        metrics |= {f"kv/visible_fraction/{phase}": value for phase, value in phases.items()}
+    if sparse_rl is not None:
+        names = ("rejected_sequence_fraction", "masked_token_fraction", "weight_mean", "weight_min", "weight_max")
+        metrics |= {f"sparse_rl/{name}": getattr(sparse_rl, name) for name in names}
+    metrics |= {**timings, "time/rollout_s": sum(timings.values())}
     return {key: float(value) for key, value in metrics.items()}
-
-
-def sparse_rl_metrics(correction: SparseRLCorrection) -> dict[str, float]:
-    """The ``sparse_rl/`` statistics of a rollout batch's Sparse-RL correction."""
-    names = ("rejected_sequence_fraction", "masked_token_fraction", "weight_mean", "weight_min", "weight_max")
-    return {f"sparse_rl/{name}": float(getattr(correction, name)) for name in names}
 
 
 def rollout_correction_metrics(correction: RolloutCorrectionOutput) -> dict[str, Tensor]:

@@ -122,7 +122,7 @@ from lit_smd.modules._common import (
     prepare_trainable,
 )
 from lit_smd.modules._grpo_checks import check_grpo_args, check_minibatches, check_rollout
-from lit_smd.modules._grpo_metrics import rollout_correction_metrics, rollout_metrics, sparse_rl_metrics
+from lit_smd.modules._grpo_metrics import batch_metrics, rollout_correction_metrics
 from lit_smd.rollout import Rollout
 
 __all__ = ["GRPOModule", "Mode"]
@@ -317,7 +317,6 @@ class GRPOModule(LightningModule):
                 f"GRPOModule.training_step expects an Experience batch, got {type(batch).__name__}; build one from a "
                 "Rollout with GRPOModule.make_experience, or train with lit_smd.datamodules.RolloutDataModule"
             )
-        check_rollout(self.mode, batch.rollout)
         if batch.old_logprobs is None and batch.iteration > 0:
             raise ValueError(
                 f"this Experience has no old_logprobs (built for one on-policy pass) but is trained at iteration "
@@ -545,6 +544,8 @@ class GRPOModule(LightningModule):
         max_completion_length: int | None = None,
         num_iterations: int = 1,
         minibatch_size: int | None = None,
+        reward_metrics: dict[str, float] | None = None,
+        timings: dict[str, float] | None = None,
     ) -> Experience:
         """Turn a scored rollout batch into an `Experience`: advantages, loss mask, ratio denominators, metrics.
 
@@ -565,6 +566,9 @@ class GRPOModule(LightningModule):
             num_iterations: Passes the batch will be trained for.
             minibatch_size: Rows per optimizer step (consecutive slices, as `RolloutDataModule.minibatches` yields
                 them); None means the whole batch in one step.
+            reward_metrics: What the reward functions logged, logged as ``rollout/reward_metric/<name>``.
+            timings: The data side's ``time/*`` seconds (``time/generate_s``, ``time/reward_s``); ``time/rollout_s``
+                adds this call's own time to them.
 
         Returns:
             The `Experience` on the module's device, ``iteration=0``. Its ``old_logprobs`` is None when the batch is
@@ -574,6 +578,7 @@ class GRPOModule(LightningModule):
             ValueError: The rollout does not fit the mode (e.g. smd without a shadow mask), or the rewards are
                 malformed or non-finite.
         """
+        start = time.perf_counter()
         self.configure_model()  # no-op under a Trainer; loads / copies the models when called before fit
         check_rollout(self.mode, rollout)
         check_minibatches(len(rollout), num_iterations, minibatch_size)
@@ -591,9 +596,8 @@ class GRPOModule(LightningModule):
                     "batch gives no policy gradient; raise max_new_tokens or turn the masking off",
                     stacklevel=2,
                 )
-        out_metrics = rollout_metrics(rollout, rewards, advantages, group_size, reward_components or {})
         on_policy = num_iterations == 1 and (minibatch_size is None or minibatch_size == len(rollout))
-        old_logprobs, token_weights = None, None
+        old_logprobs, token_weights, correction = None, None, None
         if self.mode == "mu_ratio":
             old_logprobs = rollout.logprobs
         elif self.mode == "sparse_rl" or not on_policy:
@@ -601,13 +605,17 @@ class GRPOModule(LightningModule):
         if self.mode == "sparse_rl":
             correction = sparse_rl_correction(old_logprobs, rollout.logprobs, loss_mask, self.sparse_rl)
             loss_mask, token_weights = correction.mask, correction.weights
-            out_metrics.update(sparse_rl_metrics(correction))
         ref_logprobs = None
         if self.reference is not None:
             ref_logprobs = self._score(self.reference, rollout, shadow=self.uses_shadow_view)  # [B, N]
         elif self.reference_is_base:
             with lora_disabled(self.policy):
                 ref_logprobs = self._score(self.policy, rollout, shadow=self.uses_shadow_view)  # [B, N]
+        _synchronize(self.device)
+        timings = {**(timings or {}), "time/experience_s": time.perf_counter() - start}
+        metrics = batch_metrics(
+            rollout, rewards, advantages, group_size, reward_components or {}, reward_metrics or {}, correction, timings
+        )
         return Experience(
             rollout=rollout,
             rewards=rewards,
@@ -618,7 +626,7 @@ class GRPOModule(LightningModule):
             ref_logprobs=ref_logprobs,
             reward_components={k: torch.as_tensor(v).to(self.device) for k, v in (reward_components or {}).items()},
             max_completion_length=max_completion_length,
-            metrics=out_metrics,
+            metrics=metrics,
         )
 
     # --------------------------------------------------------------------------------------------------- helpers
