@@ -2,7 +2,9 @@
 
 One small validated dataclass per method, in the style of kvpress "presses". A compressor never touches
 tensors it does not own: the budgeted cache (`lit_smd.kv.cache`) asks it for *keep scores* and does the
-bookkeeping (slots, eviction steps, budgets) itself. Higher score = keep; ``+inf`` = protected.
+bookkeeping (slots, eviction steps, budgets) itself. Higher score = keep; ``+inf`` = protected. What a policy
+reads is `lit_smd.kv.prefill.PrefillContext` (the prompt's dense attention) and `DecodeState` (the cached keys after
+a decode query); the cache builds both and imports this module, never the other way round.
 
 * `SnapKV` (Li et al. 2024, arXiv 2404.14469): prefill only. Scores each prompt key by the attention it
   receives from the last ``window`` prompt queries, smoothed along the key axis with 1-D pooling, averaged
@@ -53,7 +55,7 @@ import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from lit_smd.kv.cache import DecodeState, PrefillContext
+    from lit_smd.kv.prefill import PrefillContext
 
 __all__ = [
     "BUDGET_MODES",
@@ -61,6 +63,7 @@ __all__ = [
     "H2O",
     "BudgetMode",
     "Compressor",
+    "DecodeState",
     "PrefillThenDecode",
     "RandomEviction",
     "RecentWindow",
@@ -194,6 +197,24 @@ def _protect(scores: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor
 def _setstate(self, state: dict) -> None:
     """Unpickle a compressor; one saved before ``budget_mode`` existed read a fraction as ``"fixed"`` does."""
     self.__dict__.update({"budget_mode": "fixed", **state})
+
+
+@dataclass
+class DecodeState:
+    """What a decode policy may look at after the current query has attended (built by `lit_smd.kv.cache`).
+
+    Attributes:
+        positions: ``[B, H_kv, C]`` logical position held by each slot (``-1`` = free).
+        accumulated: ``[B, H_kv, C]`` attention accumulated by each slot's key (zeros unless the policy
+            accumulates attention).
+        newest: ``[B]`` logical position of the current query.
+        generator: Generator for randomised policies (the rollout's; None = torch's default generator).
+    """
+
+    positions: torch.Tensor
+    accumulated: torch.Tensor
+    newest: torch.Tensor
+    generator: torch.Generator | None
 
 
 @runtime_checkable

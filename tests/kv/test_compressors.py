@@ -4,8 +4,7 @@ import pytest
 import torch
 
 from lit_smd.kv import COMPRESSORS, H2O, PrefillThenDecode, RandomEviction, RecentWindow, SnapKV
-from lit_smd.kv.cache import DecodeState
-from lit_smd.kv.compressors import budget_at, resolve_budget
+from lit_smd.kv.compressors import DecodeState, budget_at, resolve_budget
 
 from .conftest import make_compressor
 
