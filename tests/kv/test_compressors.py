@@ -1,5 +1,7 @@
 """Compressor dataclasses: validation at construction, budget resolution, and scoring rules."""
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -133,3 +135,10 @@ def test_a_compressor_saved_before_budget_modes_loads_with_the_fixed_meaning(cls
     loaded = torch.load(buffer, weights_only=True)["compressor"]
     assert type(loaded) is cls and loaded.budget_mode == "fixed" and loaded.budget == 0.5
     assert pickle.loads(pickle.dumps(cls(0.5))).budget_mode == "paper"  # new ones keep theirs
+
+
+def test_positional_arguments_stop_at_the_budget():
+    """Only ``budget`` is positional, so a call written for another field order fails instead of mixing fields up."""
+    with pytest.raises(TypeError):
+        SnapKV(0.5, 8, 5)
+    assert RecentWindow(0.5).window == 1 and "window" not in {f.name for f in dataclasses.fields(RecentWindow)}
