@@ -201,11 +201,6 @@ def _protect(scores: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor
     return scores.masked_fill(protected, INF)
 
 
-def _setstate(self, state: dict) -> None:
-    """Unpickle a compressor; one saved before ``budget_mode`` existed read a fraction as ``"fixed"`` does."""
-    self.__dict__.update({"budget_mode": "fixed", **state})
-
-
 @dataclass
 class DecodeState:
     """What a decode policy may look at after the current query has attended (built by `lit_smd.kv.cache`).
@@ -267,8 +262,6 @@ class BaseCompressor:
 
     evicts_during_decode: ClassVar[bool] = True
     accumulates_attention: ClassVar[bool] = False
-
-    __setstate__ = _setstate
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
