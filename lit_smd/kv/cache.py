@@ -38,31 +38,13 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from lit_smd.kv.compressors import Compressor, budget_at, resolve_budget
+from lit_smd.kv.compressors import Compressor, DecodeState, budget_at, resolve_budget
 from lit_smd.kv.features import AttentionFeatures, normalise
 from lit_smd.kv.features import softmax_dtype as _softmax_dtype
 from lit_smd.kv.prefill import PrefillContext
 from lit_smd.kv.shadow import NEVER, ShadowMask
 
-__all__ = ["BudgetedCache", "BudgetedLayer", "DecodeState", "PrefillContext", "PromptBatch"]
-
-
-@dataclass
-class DecodeState:
-    """What a decode policy may look at after the current query has attended.
-
-    Attributes:
-        positions: ``[B, H_kv, C]`` logical position held by each slot (``-1`` = free).
-        accumulated: ``[B, H_kv, C]`` attention accumulated by each slot's key (zeros unless the policy
-            accumulates attention).
-        newest: ``[B]`` logical position of the current query.
-        generator: Generator for randomised policies (the rollout's; None = torch's default generator).
-    """
-
-    positions: torch.Tensor
-    accumulated: torch.Tensor
-    newest: torch.Tensor
-    generator: torch.Generator | None
+__all__ = ["BudgetedCache", "BudgetedLayer", "PromptBatch"]
 
 
 @dataclass

@@ -2,7 +2,14 @@
 
 One small validated dataclass per method, in the style of kvpress "presses". A compressor never touches
 tensors it does not own: the budgeted cache (`lit_smd.kv.cache`) asks it for *keep scores* and does the
-bookkeeping (slots, eviction steps, budgets) itself. Higher score = keep; ``+inf`` = protected.
+bookkeeping (slots, eviction steps, budgets) itself. Higher score = keep; ``+inf`` = protected. What a policy
+reads is `lit_smd.kv.prefill.PrefillContext` (the prompt's dense attention) and `DecodeState` (the cached keys after
+a decode query); the cache builds both and imports this module, never the other way round.
+
+`BaseCompressor` owns what the scoring methods share, as kvpress' ``ScorerPress`` does: ``budget``, the protected
+keys (``window`` most recent, ``sinks`` leading), ``budget_mode``, their checks and the minimums derived from them
+(`BaseCompressor.min_budget`, `BaseCompressor.min_prompt_length`). Each method adds its own fields (keyword-only,
+after the shared ones) and its scores:
 
 * `SnapKV` (Li et al. 2024, arXiv 2404.14469): prefill only. Scores each prompt key by the attention it
   receives from the last ``window`` prompt queries, smoothed along the key axis with 1-D pooling, averaged
@@ -10,11 +17,12 @@ bookkeeping (slots, eviction steps, budgets) itself. Higher score = keep; ``+inf
 * `H2O` (Zhang et al. 2023, arXiv 2306.14048): heavy hitters + a recent window. Each cached key carries the
   attention mass it has accumulated (summed over the query heads of its GQA group), per sequence and per KV
   head; during decoding the lowest-scoring key outside the recent window is evicted.
-* `RecentWindow` (StreamingLLM, Xiao et al. 2023, arXiv 2309.17453): attention sinks plus the most recent keys.
+* `RecentWindow` (StreamingLLM, Xiao et al. 2023, arXiv 2309.17453): attention sinks plus the most recent keys
+  (recency is its score, so its ``window`` is not a field: only the current key is protected).
 * `RandomEviction`: sinks + recent window + uniformly random keys (drawn from the rollout's generator): the control
   policy.
-* `PrefillThenDecode`: a prefill policy followed by a decode policy (e.g. SnapKV then H2O), so that both the
-  prompt and the generation stay within budget.
+* `PrefillThenDecode` (a pair, not a `BaseCompressor`): a prefill policy followed by a decode policy (e.g. SnapKV
+  then H2O), so that both the prompt and the generation stay within budget.
 
 Departures from the papers, all deliberate:
 
@@ -46,21 +54,23 @@ keys) is an error, raised before any model work; in ``"paper"`` mode this makes 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
 if TYPE_CHECKING:
-    from lit_smd.kv.cache import DecodeState, PrefillContext
+    from lit_smd.kv.prefill import PrefillContext
 
 __all__ = [
     "BUDGET_MODES",
     "COMPRESSORS",
     "H2O",
+    "BaseCompressor",
     "BudgetMode",
     "Compressor",
+    "DecodeState",
     "PrefillThenDecode",
     "RandomEviction",
     "RecentWindow",
@@ -191,9 +201,22 @@ def _protect(scores: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor
     return scores.masked_fill(protected, INF)
 
 
-def _setstate(self, state: dict) -> None:
-    """Unpickle a compressor; one saved before ``budget_mode`` existed read a fraction as ``"fixed"`` does."""
-    self.__dict__.update({"budget_mode": "fixed", **state})
+@dataclass
+class DecodeState:
+    """What a decode policy may look at after the current query has attended (built by `lit_smd.kv.cache`).
+
+    Attributes:
+        positions: ``[B, H_kv, C]`` logical position held by each slot (``-1`` = free).
+        accumulated: ``[B, H_kv, C]`` attention accumulated by each slot's key (zeros unless the policy
+            accumulates attention).
+        newest: ``[B]`` logical position of the current query.
+        generator: Generator for randomised policies (the rollout's; None = torch's default generator).
+    """
+
+    positions: torch.Tensor
+    accumulated: torch.Tensor
+    newest: torch.Tensor
+    generator: torch.Generator | None
 
 
 @runtime_checkable
@@ -217,50 +240,81 @@ class Compressor(Protocol):
 
 
 @dataclass
-class SnapKV:
+class BaseCompressor:
+    """The fields, checks and minimums every scoring compressor shares (kvpress' ``ScorerPress`` plays this part).
+
+    A subclass adds its own fields (keyword-only, after these), its checks (`_check_fields`) and its keep scores:
+    ``prefill_scores(ctx)``, plus ``decode_scores(state)`` when it evicts during decoding. The protected keys are
+    the ``sinks`` leading ones and the ``window`` most recent ones; a budget must hold them (`min_budget`).
+
+    Args:
+        budget: Keys kept per layer and KV head (int), or a fraction (float in (0, 1]; see the module docstring).
+        window: Most recent keys always kept (the current one included).
+        sinks: Leading tokens always kept.
+        budget_mode: How a fraction is read: ``"paper"`` or ``"fixed"`` (see the module docstring).
+    """
+
+    budget: int | float
+    _: KW_ONLY
+    window: int = 32
+    sinks: int = 0
+    budget_mode: BudgetMode = "paper"
+
+    evicts_during_decode: ClassVar[bool] = True
+    accumulates_attention: ClassVar[bool] = False
+
+    def __post_init__(self) -> None:
+        owner = type(self).__name__
+        _check_nonnegative(owner, window=self.window, sinks=self.sinks)
+        self._check_fields()
+        _check_budget(self.budget, self.budget_mode, self.min_budget, owner)
+
+    def _check_fields(self) -> None:
+        """Check the subclass's own fields (after ``window`` and ``sinks``, before the budget); raise ValueError."""
+
+    @property
+    def min_budget(self) -> int:
+        """Smallest valid budget: the protected keys, at least one."""
+        return max(self.window + self.sinks, 1)
+
+    @property
+    def min_prompt_length(self) -> int:
+        """In paper mode, the shortest prompt whose budget reaches `min_budget` (else 1)."""
+        return _shortest_prompt(self.budget, self.budget_mode, self.min_budget)
+
+
+@dataclass(kw_only=True)
+class SnapKV(BaseCompressor):
     """SnapKV prefill compression (arXiv 2404.14469).
 
     Args:
         budget: Keys kept per layer and KV head (int), or a fraction (float in (0, 1]): of the prompt by default,
             as in the paper (SnapKV alone compresses the prompt only; the cache then grows while decoding).
         window: Observation window: the last ``window`` prompt queries vote, and are always kept.
-        kernel: Size of the 1-D pooling kernel along the key axis (odd).
-        pooling: ``"avg"`` (the paper's default) or ``"max"``.
         sinks: Leading prompt tokens always kept (0 in the paper; 4 protects attention sinks on real models).
         budget_mode: How a fraction is read: ``"paper"`` (``floor(r * P)`` prompt keys) or ``"fixed"``
             (``floor(r * (P + max_new_tokens))``); see the module docstring.
+        kernel: Size of the 1-D pooling kernel along the key axis (odd).
+        pooling: ``"avg"`` (the paper's default) or ``"max"``.
     """
 
-    budget: int | float
-    window: int = 32
     kernel: int = 5
     pooling: Literal["avg", "max"] = "avg"
-    sinks: int = 0
-    budget_mode: BudgetMode = "paper"
 
     evicts_during_decode: ClassVar[bool] = False
-    accumulates_attention: ClassVar[bool] = False
 
-    __setstate__ = _setstate
-
-    def __post_init__(self) -> None:
-        _check_nonnegative("SnapKV", window=self.window, sinks=self.sinks)
+    def _check_fields(self) -> None:
         if self.window < 1:
             raise ValueError(f"SnapKV.window must be >= 1, got {self.window}")
         if isinstance(self.kernel, bool) or not isinstance(self.kernel, int) or self.kernel < 1 or self.kernel % 2 == 0:
             raise ValueError(f"SnapKV.kernel must be an odd integer >= 1, got {self.kernel!r}")
         if self.pooling not in ("avg", "max"):
             raise ValueError(f"SnapKV.pooling must be 'avg' or 'max', got {self.pooling!r}")
-        _check_budget(self.budget, self.budget_mode, self.min_budget, "SnapKV")
-
-    @property
-    def min_budget(self) -> int:
-        return self.window + self.sinks
 
     @property
     def min_prompt_length(self) -> int:
         """A full observation window inside every prompt, and (paper mode) a prompt budget >= `min_budget`."""
-        return max(self.window, _shortest_prompt(self.budget, self.budget_mode, self.min_budget))
+        return max(self.window, super().min_prompt_length)
 
     @property
     def observation_window(self) -> int:
@@ -281,8 +335,8 @@ class SnapKV:
         return _protect(scores, positions, ctx.newest, self.sinks, 0)
 
 
-@dataclass
-class H2O:
+@dataclass(kw_only=True)
+class H2O(BaseCompressor):
     """Heavy-hitter oracle (arXiv 2306.14048): accumulated attention + a recent window.
 
     Args:
@@ -290,35 +344,15 @@ class H2O:
             the heavy hitters are ``budget - window`` of them.
         window: Most recent keys always kept (the current one included).
         sinks: Leading tokens always kept (0 in the paper).
-        normalize: Divide each key's accumulated attention by the number of queries that saw it (kvpress'
-            ObservedAttention) instead of the paper's raw sums, which favour old keys.
         budget_mode: How a fraction is read: ``"paper"`` (``floor(r * (P + t))``) or ``"fixed"``
             (``floor(r * (P + max_new_tokens))``); see the module docstring.
+        normalize: Divide each key's accumulated attention by the number of queries that saw it (kvpress'
+            ObservedAttention) instead of the paper's raw sums, which favour old keys.
     """
 
-    budget: int | float
-    window: int = 32
-    sinks: int = 0
     normalize: bool = False
-    budget_mode: BudgetMode = "paper"
 
-    evicts_during_decode: ClassVar[bool] = True
     accumulates_attention: ClassVar[bool] = True
-
-    __setstate__ = _setstate
-
-    def __post_init__(self) -> None:
-        _check_nonnegative("H2O", window=self.window, sinks=self.sinks)
-        _check_budget(self.budget, self.budget_mode, self.min_budget, "H2O")
-
-    @property
-    def min_budget(self) -> int:
-        return max(self.window + self.sinks, 1)
-
-    @property
-    def min_prompt_length(self) -> int:
-        """In paper mode, the shortest prompt whose budget reaches `min_budget`."""
-        return _shortest_prompt(self.budget, self.budget_mode, self.min_budget)
 
     def _heavy(self, accumulated: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
         if not self.normalize:
@@ -337,8 +371,8 @@ class H2O:
         return _protect(scores, state.positions, state.newest, self.sinks, self.window)
 
 
-@dataclass
-class RecentWindow:
+@dataclass(kw_only=True)
+class RecentWindow(BaseCompressor):
     """StreamingLLM: attention sinks plus the most recent keys, at their original positions.
 
     Args:
@@ -347,30 +381,12 @@ class RecentWindow:
         budget_mode: How a fraction is read (``"paper"`` or ``"fixed"``; see the module docstring).
     """
 
-    budget: int | float
     sinks: int = 4
-    budget_mode: BudgetMode = "paper"
-
-    evicts_during_decode: ClassVar[bool] = True
-    accumulates_attention: ClassVar[bool] = False
-
-    __setstate__ = _setstate
-
-    def __post_init__(self) -> None:
-        _check_nonnegative("RecentWindow", sinks=self.sinks)
-        _check_budget(self.budget, self.budget_mode, self.min_budget, "RecentWindow")
-
-    @property
-    def min_budget(self) -> int:
-        return self.sinks + 1
-
-    @property
-    def min_prompt_length(self) -> int:
-        """In paper mode, the shortest prompt whose budget reaches `min_budget`."""
-        return _shortest_prompt(self.budget, self.budget_mode, self.min_budget)
+    # Not a field: the scores already rank keys by recency, so only the current key needs protecting.
+    window: ClassVar[int] = 1
 
     def _scores(self, positions: torch.Tensor, newest: torch.Tensor) -> torch.Tensor:
-        return _protect(positions.to(torch.float32), positions, newest, self.sinks, 1)
+        return _protect(positions.to(torch.float32), positions, newest, self.sinks, self.window)
 
     def prefill_scores(self, ctx: PrefillContext) -> torch.Tensor:
         positions = ctx.positions[:, None, :].expand(-1, ctx.num_kv_heads, -1)
@@ -380,8 +396,8 @@ class RecentWindow:
         return self._scores(state.positions, state.newest)
 
 
-@dataclass
-class RandomEviction:
+@dataclass(kw_only=True)
+class RandomEviction(BaseCompressor):
     """Control policy: sinks + recent window + uniformly random keys.
 
     The random keys are drawn from the generator of the `lit_smd.rollout.generate` call (the sampling generator),
@@ -394,28 +410,7 @@ class RandomEviction:
         budget_mode: How a fraction is read (``"paper"`` or ``"fixed"``; see the module docstring).
     """
 
-    budget: int | float
-    window: int = 32
     sinks: int = 4
-    budget_mode: BudgetMode = "paper"
-
-    evicts_during_decode: ClassVar[bool] = True
-    accumulates_attention: ClassVar[bool] = False
-
-    __setstate__ = _setstate
-
-    def __post_init__(self) -> None:
-        _check_nonnegative("RandomEviction", window=self.window, sinks=self.sinks)
-        _check_budget(self.budget, self.budget_mode, self.min_budget, "RandomEviction")
-
-    @property
-    def min_budget(self) -> int:
-        return max(self.window + self.sinks, 1)
-
-    @property
-    def min_prompt_length(self) -> int:
-        """In paper mode, the shortest prompt whose budget reaches `min_budget`."""
-        return _shortest_prompt(self.budget, self.budget_mode, self.min_budget)
 
     def _scores(self, positions: torch.Tensor, newest: torch.Tensor, generator: torch.Generator | None):
         scores = torch.rand(positions.shape, generator=generator, device=positions.device)

@@ -1,11 +1,12 @@
 """Compressor dataclasses: validation at construction, budget resolution, and scoring rules."""
 
+import dataclasses
+
 import pytest
 import torch
 
 from lit_smd.kv import COMPRESSORS, H2O, PrefillThenDecode, RandomEviction, RecentWindow, SnapKV
-from lit_smd.kv.cache import DecodeState
-from lit_smd.kv.compressors import budget_at, resolve_budget
+from lit_smd.kv.compressors import DecodeState, budget_at, resolve_budget
 
 from .conftest import make_compressor
 
@@ -120,17 +121,21 @@ def test_random_eviction_never_picks_protected_keys_and_is_seeded():
     assert _victim(RandomEviction(8, window=3, sinks=2), a) == _victim(RandomEviction(8, window=3, sinks=2), b)
 
 
-@pytest.mark.parametrize("cls", [SnapKV, H2O, RecentWindow, RandomEviction])
-def test_a_compressor_saved_before_budget_modes_loads_with_the_fixed_meaning(cls):
-    """Checkpoints pickle the compressor; one written before ``budget_mode`` existed read a fraction as "fixed"."""
+def test_checkpoints_load_compressors_with_weights_only(compressor_name):
+    """Checkpoint hyperparameters hold the compressor; Lightning loads them with ``torch.load(weights_only=True)``."""
     import io
     import pickle
 
-    old = cls(0.5)
-    del old.__dict__["budget_mode"]  # the fields an old checkpoint pickled
+    compressor = make_compressor(compressor_name, 0.5, budget_mode="fixed")
     buffer = io.BytesIO()
-    torch.save({"compressor": old}, buffer)
+    torch.save({"compressor": compressor}, buffer)
     buffer.seek(0)
-    loaded = torch.load(buffer, weights_only=True)["compressor"]
-    assert type(loaded) is cls and loaded.budget_mode == "fixed" and loaded.budget == 0.5
-    assert pickle.loads(pickle.dumps(cls(0.5))).budget_mode == "paper"  # new ones keep theirs
+    assert torch.load(buffer, weights_only=True)["compressor"] == compressor
+    assert pickle.loads(pickle.dumps(compressor)) == compressor
+
+
+def test_positional_arguments_stop_at_the_budget():
+    """Only ``budget`` is positional, so a call written for another field order fails instead of mixing fields up."""
+    with pytest.raises(TypeError):
+        SnapKV(0.5, 8, 5)
+    assert RecentWindow(0.5).window == 1 and "window" not in {f.name for f in dataclasses.fields(RecentWindow)}
