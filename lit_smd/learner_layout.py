@@ -2,7 +2,7 @@
 
 ``layout="shared_prefix"`` (the Prefix Grouper idea, arXiv 2506.05433, done with a packed row and our
 shadow-mask replay): consecutive rows of a `Rollout` with the same prompt form a group, and each group becomes one
-packed row ``[prompt | c_1 | ... | c_G]`` (`lit_smd.kv.prefix`): the prompt is encoded once, with gradient, and each
+packed row ``[prompt | c_1 | ... | c_G]`` (`lit_smd.kv.packed`): the prompt is encoded once, with gradient, and each
 completion attends to it and to its own earlier tokens. Log-probs and gradients equal the per-row pass's up to float
 reduction order; the prompt work drops from ``G`` encodings to one.
 
@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lit_smd.kv.attention import ensure_attention
-from lit_smd.kv.prefix import PackedPlan
+from lit_smd.kv.packed import PackedPlan
 from lit_smd.kv.shadow import NEVER
 from lit_smd.rollout import Rollout, completion_hidden_states
 

@@ -171,7 +171,7 @@ def test_no_rows_heads_t_t_tensor_is_kept_for_backward(model64):
 def test_checkpointed_slot_attention_holds_only_storage_autograd_keeps_anyway(model64, monkeypatch):
     """The checkpoint keeps its inputs for the recomputation; they must be slices of tensors saved elsewhere, or the
     activation memory the benchmark counts (saved tensors) would miss them."""
-    from lit_smd.kv.prefix import PackedPlan
+    from lit_smd.kv.packed import PackedPlan
 
     model = model64("qwen3")
     rollout = _rollout(model)

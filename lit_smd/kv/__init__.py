@@ -15,7 +15,7 @@ from lit_smd.kv.compressors import (
     RecentWindow,
     SnapKV,
 )
-from lit_smd.kv.prefix import PackedPlan
+from lit_smd.kv.packed import PackedPlan
 from lit_smd.kv.shadow import NEVER, AttentionPlan, ShadowMask
 
 __all__ = [

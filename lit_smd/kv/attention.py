@@ -6,9 +6,10 @@ no model surgery. It dispatches on what the forward call carries:
 
 * ``budgeted_cache=`` (a `lit_smd.kv.cache.BudgetedCache`): the compressed rollout. Prefill is dense; a decode
   query attends over the cache slots, then the compressor may evict.
-* ``attention_plan=`` (a `lit_smd.kv.shadow.AttentionPlan`): the learner's teacher-forced pass, with the
-  rollout's shadow mask (evicted keys get -inf before the softmax) or without it (dense view); or a
-  `lit_smd.kv.prefix.PackedPlan`: the same over shared-prefix packed rows (one prompt, several completions).
+* ``attention_plan=``: the learner's teacher-forced pass. The plan masks and runs the attention itself,
+  ``plan.attend(layer_idx, query, key, value, scaling, dropout, sliding_window, features) -> [B, T, H_q, D]``: a
+  `lit_smd.kv.shadow.AttentionPlan` (one row per sample, with the rollout's shadow mask or densely) or a
+  `lit_smd.kv.packed.PackedPlan` (shared-prefix packed rows: one prompt, several completions).
 * neither: plain transformers SDPA with the mask transformers built, so an ordinary ``model(...)`` or
   ``model.generate(...)`` call behaves as ``attn_implementation="sdpa"``.
 
@@ -25,23 +26,10 @@ from transformers.masking_utils import sdpa_mask
 
 from lit_smd.kv.features import AttentionFeatures, attention
 from lit_smd.kv.precision import keep_float64_norms
-from lit_smd.kv.prefix import PackedPlan
-from lit_smd.kv.shadow import use_flex
 
 __all__ = ["ATTN_IMPLEMENTATION", "ensure_attention", "lit_smd_attention"]
 
 ATTN_IMPLEMENTATION = "lit_smd"
-
-_compiled_flex = None
-
-
-def _flex_attention():
-    global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
-
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
 
 
 def lit_smd_attention(
@@ -78,19 +66,7 @@ def lit_smd_attention(
             )
         return eager_feature_attention(module, query, key, value, attention_mask, scaling, dropout, features), None
     dropout = dropout if module.training else 0.0
-    if isinstance(plan, PackedPlan):
-        return plan.attend(module.layer_idx, query, key, value, scaling, dropout, sliding_window, features), None
-    width = query.shape[2]
-    if use_flex(plan.backend, query.device, dropout):
-        block_mask = plan.block_mask(module.layer_idx, query.shape[1], width, sliding_window)
-        out = flex_feature_attention(query, key, value, block_mask, scaling, features)  # [B, Hq, T, D]
-        return out.transpose(1, 2).contiguous(), None
-    group = query.shape[1] // key.shape[1]
-    visible = plan.visible(module.layer_idx, width, sliding_window)  # [B, Hkv or 1, T, T]
-    if visible.shape[1] > 1:
-        visible = visible.repeat_interleave(group, dim=1)  # [B, Hq, T, T], this layer only
-    out = attention(query, key, value, visible, scaling, features, dropout=dropout)  # [B, Hq, T, D]
-    return out.transpose(1, 2).contiguous(), None
+    return plan.attend(module.layer_idx, query, key, value, scaling, dropout, sliding_window, features), None
 
 
 def eager_feature_attention(
@@ -116,39 +92,6 @@ def eager_feature_attention(
         visible = torch.ones(query.shape[2], key.shape[2], dtype=torch.bool, device=query.device)
     dropout = dropout if module.training else 0.0
     return attention(query, key, value, visible, scaling, features, dropout=dropout).transpose(1, 2).contiguous()
-
-
-def flex_feature_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
-    block_mask: object,
-    scaling: float,
-    features: AttentionFeatures,
-) -> torch.Tensor:
-    """FlexAttention with the layer's softcap (a ``score_mod``) and sinks (a rescaling by the row's log-normaliser).
-
-    A sink column ``s`` adds ``exp(s)`` to each row's normaliser ``exp(lse)``, so the sink-free output is scaled by
-    ``exp(lse) / (exp(lse) + exp(s)) = sigmoid(lse - s)``. Returns ``[B, H_q, T, D]``.
-    """
-    score_mod = None
-    if features.softcap is not None:
-        softcap = features.softcap
-
-        def score_mod(score, b, h, q_idx, kv_idx):
-            return softcap * torch.tanh(score / softcap)
-
-    flex = _flex_attention()
-    if features.sinks is None:
-        return flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=True)
-    from torch.nn.attention.flex_attention import AuxRequest
-
-    out, aux = flex(
-        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=True,
-        return_aux=AuxRequest(lse=True),
-    )  # [B, Hq, T, D], lse [B, Hq, T]
-    sinks = features.sinks.to(aux.lse.dtype).view(1, -1, 1)
-    return out * torch.sigmoid(aux.lse - sinks)[..., None].to(out.dtype)
 
 
 AttentionInterface.register(ATTN_IMPLEMENTATION, lit_smd_attention)

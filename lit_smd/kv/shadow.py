@@ -1,4 +1,21 @@
-"""The shadow mask: which keys each rollout token could see, and its replay in a teacher-forced pass.
+"""Shadow Mask Distillation's core: the record of which keys each rollout token could see, and its replay.
+
+SMD (Zhu, Bai, Wu, Ren, Tang and Liu, "How to Compress KV Cache in RL Post-Training? Shadow Mask Distillation for
+Memory-Efficient Alignment", arXiv 2605.06850). A rollout under a compressed KV cache samples from a *sparse* policy:
+each token was drawn while attending only to the keys still in the cache. A learner that scores the same tokens
+densely is off-policy by however much the evicted keys mattered, and RL amplifies the gap (importance reweighting,
+as in Sparse-RL, pays for it with variance and rejected samples). SMD records the shadow mask ``M`` (which keys each
+query could see) during the rollout and replays it in the learner's attention, evicted keys masked out before the
+softmax, so the learner's ``pi_theta(. | x, M)`` is the sampler's policy up to float rounding. A dense pass of the
+same weights is the teacher of a KL term that keeps the masked view near the dense one (`lit_smd.modules.grpo`).
+
+How it runs here:
+
+1. Record (`lit_smd.kv.cache`): when the compressor evicts a key, the cache writes, for that layer, KV head, row and
+   key, the first logical query position that no longer sees it. The rollout ends with a `ShadowMask`.
+2. Replay: the learner's teacher-forced pass carries an attention plan, and the registered attention function
+   (`lit_smd.kv.attention`) calls its ``attend``. `AttentionPlan` (here) replays ``M`` over one right-padded row
+   per sample; `lit_smd.kv.packed.PackedPlan` over shared-prefix packed rows. The learner builds both.
 
 Contract (other code and tests rely on it):
 
@@ -11,21 +28,35 @@ Contract (other code and tests rely on it):
 * Query head ``q`` reads KV head ``q // G`` with ``G = H_q / H_kv`` (transformers' ``repeat_kv`` order).
 
 Because positions are logical, the learner may use any padding layout. The learner never re-runs the
-eviction policy (its decisions depend on attention numerics); it replays the record. Dense masks are built
-one layer at a time and dropped (``[B, H_q, T, T]`` bools for all layers at once would not fit at long
-context); on CUDA the FlexAttention path builds one sparse ``BlockMask`` per layer instead.
+eviction policy (its decisions depend on attention numerics); it replays the record.
+
+Departures from the paper (of which only the abstract could be read) and its public code
+(github.com/huthvincent/RL-Post-Training-with-KV-Cache-Compression):
+
+* The mask is the record of the compressed rollout that actually sampled the tokens, prefill and decode evictions
+  alike (SnapKV, H2O, recent window, random), per layer and KV head. The public code compresses the prompt only,
+  once, at prefill, and computes its masks after a dense rollout.
+* It is stored as one eviction step per key, never as ``[T, T]`` masks: the replay builds a boolean mask one layer
+  at a time and drops it (SDPA, any device), or one sparse FlexAttention ``BlockMask`` per layer on CUDA
+  (`lit_smd.kv.flex`), where the public code adds a ``-inf`` bias in eager ``O(T^2)`` attention.
+* Evicted keys keep their original RoPE positions (StreamingLLM-style re-rotation could not be replayed by a mask).
+* The objective (GRPO on the masked policy plus the KL to the dense view, its stop-gradient side configurable) and
+  its departures are documented in `lit_smd.modules.grpo`.
 """
+
 
 from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["NEVER", "AttentionPlan", "ShadowMask", "use_flex"]
+from lit_smd.kv.features import PLAIN, AttentionFeatures, attention
+from lit_smd.kv.flex import Backend, flex_feature_attention, use_flex
+
+__all__ = ["NEVER", "AttentionPlan", "ShadowMask"]
 
 NEVER = torch.iinfo(torch.int32).max
 """Eviction step of a key that was never evicted."""
@@ -136,21 +167,9 @@ class ShadowMask:
         return {"prompt": prompt, "decode": self.visible_fraction(prompt_lengths, decode_mask)}
 
 
-def use_flex(backend: str, device: torch.device, dropout: float) -> bool:
-    """Whether a learner pass with ``backend`` (``"flex"``, ``"sdpa"`` or ``"auto"``) runs FlexAttention on ``device``.
-
-    Raises:
-        ValueError: FlexAttention is chosen with attention dropout (it has none).
-    """
-    flex = backend == "flex" or (backend == "auto" and device.type == "cuda")
-    if flex and dropout:
-        raise ValueError("the FlexAttention learner path does not support attention dropout; use backend='sdpa'")
-    return flex
-
-
 @dataclass
 class AttentionPlan:
-    """How the registered attention function masks one teacher-forced forward pass.
+    """How the registered attention function masks one teacher-forced forward pass, one row per sample.
 
     Built by `lit_smd.rollout.score` for a right-padded batch whose column index is the logical position.
 
@@ -163,9 +182,28 @@ class AttentionPlan:
 
     lengths: torch.Tensor
     shadow: ShadowMask | None = None
-    backend: Literal["auto", "sdpa", "flex"] = "auto"
+    backend: Backend = "auto"
     _block_masks: dict[int, object] = field(default_factory=dict, repr=False)
 
+    def attend(
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+        dropout: float, sliding_window: int | None, features: AttentionFeatures = PLAIN,
+    ) -> torch.Tensor:
+        """Attention output ``[B, T, H_q, D]`` for ``query [B, H_q, T, D]``, ``key / value [B, H_kv, T, D]``.
+
+        ``features`` (softcap, sinks; `lit_smd.kv.features`) apply on both backends.
+        """
+        width = query.shape[2]
+        if use_flex(self.backend, query.device, dropout):
+            block_mask = self.block_mask(layer_idx, query.shape[1], width, sliding_window)
+            out = flex_feature_attention(query, key, value, block_mask, scaling, features)  # [B, Hq, T, D]
+            return out.transpose(1, 2).contiguous()
+        group = query.shape[1] // key.shape[1]
+        visible = self.visible(layer_idx, width, sliding_window)  # [B, Hkv or 1, T, T]
+        if visible.shape[1] > 1:
+            visible = visible.repeat_interleave(group, dim=1)  # [B, Hq, T, T], this layer only
+        out = attention(query, key, value, visible, scaling, features, dropout=dropout)  # [B, Hq, T, D]
+        return out.transpose(1, 2).contiguous()
 
     def visible(self, layer_idx: int, width: int, sliding_window: int | None) -> torch.Tensor:
         """Boolean visibility ``[B, H_kv or 1, T, T]`` for one layer (query rows, key columns)."""

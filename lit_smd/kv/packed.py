@@ -42,13 +42,12 @@ those stored prompt keys: the dense view of the completions without re-encoding 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
-from typing import Literal
 
 import torch
 from torch.utils.checkpoint import checkpoint
 
 from lit_smd.kv.features import PLAIN, AttentionFeatures, attention, softmax_dtype
-from lit_smd.kv.shadow import use_flex
+from lit_smd.kv.flex import Backend, flex_feature_attention, use_flex
 
 __all__ = ["PackedPlan"]
 
@@ -77,7 +76,7 @@ class PackedPlan:
     num_slots: int
     slot_width: int
     steps: torch.Tensor | None = None
-    backend: Literal["auto", "sdpa", "flex"] = "auto"
+    backend: Backend = "auto"
     capture_prompt_kv: bool = False
     prompt_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     slots_only: bool = False
@@ -97,15 +96,8 @@ class PackedPlan:
     # ------------------------------------------------------------------------------------------------ attention
 
     def attend(
-        self,
-        layer_idx: int,
-        query: torch.Tensor,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        scaling: float,
-        dropout: float,
-        sliding_window: int | None,
-        features: AttentionFeatures = PLAIN,
+        self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
+        dropout: float, sliding_window: int | None, features: AttentionFeatures = PLAIN,
     ) -> torch.Tensor:
         """Attention output ``[R, T_q, H_q, D]`` for ``query [R, H_q, T_q, D]``, ``key / value [R, H_kv, T_k, D]``.
 
@@ -120,8 +112,6 @@ class PackedPlan:
         if self.capture_prompt_kv:
             self.prompt_kv[layer_idx] = (key[:, :, :width].detach(), value[:, :, :width].detach())
         if use_flex(self.backend, query.device, dropout):
-            from lit_smd.kv.attention import flex_feature_attention
-
             block_mask = self._block_mask(layer_idx, query.shape[1], key.shape[1], sliding_window)
             return flex_feature_attention(query, key, value, block_mask, scaling, features).transpose(1, 2).contiguous()
         windowed = sliding_window is not None and sliding_window < width
