@@ -2,11 +2,11 @@
 
 Each row trains the same seeded model for ``--steps`` steps with Lightning on one device. Every step samples a
 compressed rollout (`lit_smd.rollout.generate` with a recent-window cache, the model gathered whole by
-`lit_smd.fsdp.gathered`), replays its shadow mask in the learner (`completion_hidden_states` + the chunked log-probs
-reading the ``lm_head`` weight) and adds the dense-vs-masked token KL (`chunked_token_kl`) to a policy-gradient term
-with fixed pseudo-advantages: the FSDP2 code paths of `GRPOModule` (step as a root forward, whole-model gather for
-generation inside it, per-layer gathers for the dense pass), without its data side (no ``datasets`` import, so it runs
-where only torch, transformers and lightning are installed).
+`lit_smd.fsdp.gathered`), replays its shadow mask in the learner (per-row `learner_hidden_states` + the chunked
+log-probs reading the ``lm_head`` weight) and adds the dense-vs-masked token KL (`chunked_token_kl`) to a
+policy-gradient term with fixed pseudo-advantages: the FSDP2 code paths of `GRPOModule` (step as a root forward,
+whole-model gather for generation inside it, per-layer gathers for the dense pass), without its data side (no
+``datasets`` import, so it runs where only torch, transformers and lightning are installed).
 
 Rows: ``single`` (no strategy), ``fsdp2`` (float32), ``fsdp2-bf16`` (``param_dtype=bfloat16``: float32 weights,
 bfloat16 compute). Reported: max ``|weights - single's|`` after training (float noise expected for ``fsdp2``, bf16
@@ -36,9 +36,10 @@ from torch.utils.data import DataLoader
 
 from lit_smd.fsdp import FSDP2Strategy, fsdp_strategy, gathered, shard_model
 from lit_smd.kv import RecentWindow
+from lit_smd.learner import learner_hidden_states
 from lit_smd.losses.kl import chunked_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
-from lit_smd.rollout import completion_hidden_states, generate
+from lit_smd.rollout import generate
 
 MODELS = {
     "tiny": C.model_config(vocab_size=256, hidden_size=64, num_layers=2, num_heads=4, num_kv_heads=2, head_dim=16,
@@ -71,14 +72,14 @@ class Learner(L.LightningModule):
                 max_new_tokens=self.args.new_tokens, num_samples=2, generator=generator,
             )  # fmt: skip
         keep = rollout.completion_mask
-        hidden = completion_hidden_states(self.model, rollout, shadow=True)  # [B, N, H]
+        hidden = learner_hidden_states(self.model, rollout, shadow=True, layout="per_row").hidden  # [B, N, H]
         head = self.model.get_output_embeddings()
         logprobs, _ = token_logprobs_and_entropy(hidden, head.weight, head.bias, rollout.completion_ids)
         self.gaps.append(float(((logprobs.detach() - rollout.logprobs).abs() * keep).max()))
         advantages = (rollout.completion_ids.sum(1) % 3 - 1).to(logprobs.dtype)  # [B] fixed pseudo-advantages
         loss = -(advantages[:, None] * logprobs * keep).sum() / keep.sum()
         with torch.no_grad():
-            dense = completion_hidden_states(self.model, rollout, shadow=False)
+            dense = learner_hidden_states(self.model, rollout, shadow=False, layout="per_row").hidden
         kl = chunked_token_kl(hidden, head.weight, dense, teacher_lm_head_weight=head.weight, mask=keep)
         return loss + 0.1 * kl.loss
 

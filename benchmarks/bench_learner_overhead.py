@@ -15,7 +15,7 @@ and its own AdamW, and runs the code a training step runs, outside a Trainer so 
 
 Layouts (``learner_layout``): ``per_row`` is the learner before shared-prefix packing (one row per sample, the shadow
 mask as a ``[B, H_q, T, T]`` boolean mask); ``shared_prefix`` packs each group into one row ``[prompt | c_1 | ... |
-c_G]`` (`lit_smd.learner_layout`), masks only the completion queries, and SMD's teacher reuses the prompt's keys.
+c_G]`` (`lit_smd.learner`), masks only the completion queries, and SMD's teacher reuses the prompt's keys.
 
 Memory: **activation MiB** is what the learner's forward keeps alive for its backward (every tensor autograd saves,
 counted once per storage, parameters excluded; measured with ``torch.autograd.graph.saved_tensors_hooks``); on CUDA

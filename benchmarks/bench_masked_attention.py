@@ -5,7 +5,7 @@ completion) is scored teacher-forced, on the same weights, by:
 
 - ``plain_sdpa``: the model with transformers' ``attn_implementation="sdpa"`` and no mask object (causal; no padding,
   so PyTorch's fused causal kernels), then the same completion log-prob head as ``score``: the baseline;
-- ``shadow_sdpa``: ``lit_smd.rollout.score(model, rollout, shadow=True, backend="sdpa")``: a boolean
+- ``shadow_sdpa``: ``lit_smd.learner.score(model, rollout, shadow=True, backend="sdpa")``: a boolean
   ``[B, H_q, T, T]`` mask per layer, built one layer at a time;
 - ``shadow_flex`` (CUDA; forward only on CPU): ``score(..., backend="flex")``: one FlexAttention ``BlockMask`` per
   layer, built inside every call (its build time is also reported alone).
@@ -47,7 +47,8 @@ import _common as C
 import torch
 
 from lit_smd.kv import NEVER, AttentionPlan, ShadowMask, ensure_attention
-from lit_smd.rollout import Rollout, score
+from lit_smd.learner import score
+from lit_smd.rollout import Rollout
 
 PLAIN = "plain_sdpa"
 

@@ -33,7 +33,8 @@ import _common as C
 import torch
 
 from lit_smd.kv import COMPRESSORS
-from lit_smd.rollout import generate, score
+from lit_smd.learner import score
+from lit_smd.rollout import generate
 
 DENSE = "none (dense rollout)"
 

@@ -2,7 +2,7 @@
 
 `add_lora` injects adapters in place with ``peft.inject_adapter_in_model``: the model stays the same transformers
 `PreTrainedModel` (not a ``PeftModel`` wrapper), so lit_smd's attention implementation, `lit_smd.rollout.generate`,
-`lit_smd.rollout.completion_hidden_states` (``get_decoder()`` and the output embeddings) and the chunked losses run
+the learner passes of `lit_smd.learner` (``get_decoder()`` and the output embeddings) and the chunked losses run
 unchanged, and the shadow-mask replay stays exact. Only the adapter weights require gradients, so the modules'
 optimizers hold only them.
 

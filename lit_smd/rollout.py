@@ -1,4 +1,4 @@
-"""Sampling from any Hugging Face causal LM under a compressed KV cache, and teacher-forced re-scoring.
+"""Sampling from any Hugging Face causal LM under a compressed KV cache, into a `Rollout`.
 
 `generate` owns its prefill/decode loop (``model.generate`` rejects the extra keyword arguments the attention
 function needs): left-padded prompts are prefilled once, in micro-batches of ``prefill_batch_size`` prompts, each
@@ -7,8 +7,8 @@ cache of all rows); the cache is shared by ``num_samples`` completions per promp
 with one generator (randomised compressors draw from it too), so a seeded rollout is reproducible. With a
 compressor it returns the `ShadowMask` of what each token could see.
 
-`score` recomputes the log-probs of the completion tokens in one teacher-forced pass, either replaying the
-shadow mask (the learner's view: identical to the rollout's log-probs up to float reduction order) or densely.
+`lit_smd.learner` scores a `Rollout` teacher-forced: replaying the shadow mask it reproduces the rollout's log-probs
+up to float reduction order (the learner's view of SMD), or it scores densely.
 
 Log-probs, here and everywhere in lit_smd, are of the temperature-scaled *full-vocabulary* distribution.
 top-k / top-p truncation changes what is sampled, not the recorded log-prob, so with truncation the recorded
@@ -21,7 +21,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, fields, replace
 from pathlib import Path
-from typing import Literal
 
 import torch
 import torch.nn.functional as F
@@ -30,10 +29,10 @@ from lit_smd.kv.attention import ensure_attention
 from lit_smd.kv.cache import BudgetedCache
 from lit_smd.kv.compressors import Compressor, SnapKV, resolve_budget
 from lit_smd.kv.prefill import softmax_dtype
-from lit_smd.kv.shadow import AttentionPlan, ShadowMask
+from lit_smd.kv.shadow import ShadowMask
 from lit_smd.losses.head import output_head
 
-__all__ = ["Rollout", "completion_hidden_states", "generate", "prefill", "sample_tokens", "score"]
+__all__ = ["Rollout", "generate", "prefill", "sample_tokens"]
 
 
 @dataclass
@@ -358,91 +357,3 @@ def generate(
         finish_reason=["eos" if done else "length" for done in finished.tolist()],
         shadow_mask=None if compressor is None else cache.shadow_mask(len(tokens)),
     )
-
-
-def _learner_batch(rollout: Rollout, pad_token_id: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Right-padded ``[B, T]`` ids whose column index is the logical position, lengths ``[B]`` and prompt lengths."""
-    prompt_lengths = rollout.prompt_lengths  # [B]
-    width = rollout.prompt_ids.shape[1]
-    new = rollout.completion_ids.shape[1]
-    columns = torch.arange(width + new, device=rollout.prompt_ids.device)[None, :]  # [1, T]
-    # Column c of row b holds logical position c: prompt token c, or completion token c - prompt_length.
-    shift = (width - prompt_lengths)[:, None]  # left pads of each row
-    joined = torch.cat([rollout.prompt_ids, rollout.completion_ids], dim=1)  # [B, P + N], pads in front
-    source = (columns + shift).clamp(max=width + new - 1)
-    ids = joined.gather(1, source)
-    lengths = prompt_lengths + rollout.completion_lengths
-    ids = ids.masked_fill(columns >= lengths[:, None], pad_token_id)
-    return ids, lengths, prompt_lengths
-
-
-def completion_hidden_states(
-    model: torch.nn.Module,
-    rollout: Rollout,
-    *,
-    shadow: bool = True,
-    backend: Literal["auto", "sdpa", "flex"] = "auto",
-) -> torch.Tensor:
-    """Final hidden states at the positions that predict each completion token, in one teacher-forced pass.
-
-    Row ``b``, index ``t`` is the decoder output at logical position ``prompt_length[b] + t - 1``; applying the
-    model's output embeddings gives the logits of completion token ``t``. Keeping hidden states (``[B, N, H]``)
-    instead of logits (``[B, N, V]``) lets losses project to the vocabulary in chunks.
-
-    Args:
-        model: A Hugging Face causal LM (``get_decoder()`` returns its base model).
-        rollout: Sampled completions.
-        shadow: Replay the rollout's shadow mask (the learner view). With ``False``, or a rollout without a
-            shadow mask, the pass is dense (causal + padding).
-        backend: Masked attention kernel: ``"sdpa"``, ``"flex"`` (CUDA, FlexAttention) or ``"auto"``.
-
-    Returns:
-        ``[B, N, H]`` hidden states (rows past a completion's end are computed but meaningless). Differentiable;
-        works under activation checkpointing; the model's training mode is left as it is.
-    """
-    ensure_attention(model)
-    ids, lengths, prompt_lengths = _learner_batch(rollout, pad_token_id=0)
-    width = ids.shape[1]
-    mask = rollout.shadow_mask if shadow else None
-    if mask is not None and mask.length < width:
-        mask = mask.padded_to(width)
-    plan = AttentionPlan(lengths=lengths, shadow=mask, backend=backend)
-    positions = torch.arange(width, device=ids.device)[None, :].expand(ids.shape[0], -1)
-    hidden = model.get_decoder()(
-        input_ids=ids, position_ids=positions, attention_plan=plan, use_cache=False
-    ).last_hidden_state  # [B, T, H]
-    new = rollout.completion_ids.shape[1]
-    rows = (prompt_lengths - 1)[:, None] + torch.arange(new, device=ids.device)[None, :]  # [B, N]
-    return hidden.gather(1, rows[..., None].expand(-1, -1, hidden.shape[-1]))  # [B, N, H]
-
-
-def score(
-    model: torch.nn.Module,
-    rollout: Rollout,
-    *,
-    shadow: bool = True,
-    temperature: float = 1.0,
-    backend: Literal["auto", "sdpa", "flex"] = "auto",
-) -> torch.Tensor:
-    """Teacher-forced log-probs of the completion tokens, differentiable.
-
-    Args:
-        model: The causal LM (same weights as the rollout's for the learner view).
-        rollout: Sampled completions.
-        shadow: Replay the rollout's shadow mask (the learner view); ``False`` for the dense view.
-        temperature: The rollout's sampling temperature.
-        backend: Masked attention kernel: ``"sdpa"``, ``"flex"`` (CUDA, FlexAttention) or ``"auto"``.
-
-    Returns:
-        ``[B, N]`` log-probs of the temperature-scaled full-vocabulary distribution (0 where
-        ``rollout.completion_mask`` is False).
-    """
-    if not 0 < temperature < math.inf:
-        raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
-    head = output_head(model)  # refuses unknown logit post-processing before the forward
-    hidden = completion_hidden_states(model, rollout, shadow=shadow, backend=backend)  # [B, N, H]
-    logits = head(hidden)  # [B, N, V], as the model's forward computes them
-    dtype = softmax_dtype(logits.dtype)
-    logprobs = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
-    token_logprobs = logprobs.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)  # [B, N]
-    return token_logprobs.masked_fill(~rollout.completion_mask, 0.0)

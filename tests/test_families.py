@@ -22,11 +22,11 @@ from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_smd.kv import COMPRESSORS, H2O, PrefillThenDecode, SnapKV, ensure_attention
-from lit_smd.learner_layout import learner_hidden_states
+from lit_smd.learner import learner_hidden_states, score
 from lit_smd.losses.head import output_head
 from lit_smd.modules.distill import DistillModule
 from lit_smd.modules.grpo import GRPOModule
-from lit_smd.rollout import Rollout, generate, score
+from lit_smd.rollout import Rollout, generate
 
 from .kv.conftest import make_compressor
 

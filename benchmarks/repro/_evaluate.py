@@ -23,10 +23,11 @@ import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_smd.kv import Compressor
+from lit_smd.learner import learner_hidden_states, score
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.metrics import AvgAtK, PassAtK, ResponseLength, TokenEntropy
 from lit_smd.rewards import chain_hops_reward, math_answer_reward
-from lit_smd.rollout import Rollout, completion_hidden_states, generate, score
+from lit_smd.rollout import Rollout, generate
 from lit_smd.tasks import key_value_retrieval, multi_hop_chain
 
 __all__ = ["EvalSettings", "evaluate_policy", "heldout_prompts", "heldout_retrieval"]
@@ -91,7 +92,7 @@ def _rewards(settings: EvalSettings, prompts: list[str], completions: list[str],
 def _sampler_entropy(model: PreTrainedModel, rollout: Rollout, temperature: float) -> torch.Tensor:
     """``[B, N]`` entropy of the sampling distribution at each completion position (shadow mask replayed)."""
     with torch.no_grad():
-        hidden = completion_hidden_states(model, rollout)  # [B, N, H], shadow mask replayed if there is one
+        hidden = learner_hidden_states(model, rollout, layout="per_row").hidden  # [B, N, H], shadow replayed
         head = model.get_output_embeddings()
         _, entropy = token_logprobs_and_entropy(
             hidden, head.weight, head.bias, rollout.completion_ids, temperature=temperature, chunk_size=4096

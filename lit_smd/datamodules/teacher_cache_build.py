@@ -55,7 +55,7 @@ from lit_smd.datamodules.teacher_cache import (
     recover_interrupted_build,
     tokenizer_fingerprint,
 )
-from lit_smd.learner_layout import LearnerLayout, learner_hidden_states
+from lit_smd.learner import LearnerLayout, learner_hidden_states
 from lit_smd.losses.head import output_head
 from lit_smd.models import Quantization, check_pretrained_source, load_causal_lm
 from lit_smd.rollout import Rollout, generate
@@ -86,7 +86,7 @@ def teacher_topk_logprobs(
         temperature: Temperature of the distribution.
         chunk_size: Rows projected to the vocabulary at a time.
         layout: ``"shared_prefix"`` (a prompt encoded once for the consecutive rows that share it) or ``"per_row"``
-            (`lit_smd.learner_layout`).
+            (`lit_smd.learner`).
 
     Returns:
         ``(ids [B, N, k] long, logprobs [B, N, k] float32)``, sorted by decreasing log-prob; rows past a completion's

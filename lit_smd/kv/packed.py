@@ -15,7 +15,7 @@ Under the shadow mask (`lit_smd.kv.shadow`: query ``i`` sees key ``j`` iff ``j <
 layer and KV head) the slot queries additionally need ``i < e[j]`` for the eviction steps of *their own* rollout row.
 The prompt queries stay plain causal: sharing is only used when no prompt key was evicted before the prompt ended
 (``e[j] >= P`` for every prompt key, which holds for SnapKV-style prefill drops, recorded as ``e = P``), so the
-prompt's hidden states are those of the dense view. `lit_smd.learner_layout` decides this and falls back to the
+prompt's hidden states are those of the dense view. `lit_smd.learner` decides this and falls back to the
 per-row pass otherwise.
 
 Attention per layer (SDPA path, any device):

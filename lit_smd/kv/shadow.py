@@ -15,7 +15,7 @@ How it runs here:
    key, the first logical query position that no longer sees it. The rollout ends with a `ShadowMask`.
 2. Replay: the learner's teacher-forced pass carries an attention plan, and the registered attention function
    (`lit_smd.kv.attention`) calls its ``attend``. `AttentionPlan` (here) replays ``M`` over one right-padded row
-   per sample; `lit_smd.kv.packed.PackedPlan` over shared-prefix packed rows. The learner builds both.
+   per sample; `lit_smd.kv.packed.PackedPlan` over shared-prefix packed rows. `lit_smd.learner` builds both.
 
 Contract (other code and tests rely on it):
 
@@ -171,7 +171,7 @@ class ShadowMask:
 class AttentionPlan:
     """How the registered attention function masks one teacher-forced forward pass, one row per sample.
 
-    Built by `lit_smd.rollout.score` for a right-padded batch whose column index is the logical position.
+    Built by `lit_smd.learner` for a right-padded batch whose column index is the logical position.
 
     Attributes:
         lengths: ``[B]`` real tokens per row (prompt + completion); later columns are padding.

@@ -3,7 +3,7 @@
 Plain PyTorch (no Lightning). The learner needs the log-prob of each sampled token (with gradient) and the entropy of
 the full distribution (for logging) without materialising ``[tokens, vocab]`` logits: each chunk is projected,
 reduced, and recomputed in the backward (``torch.utils.checkpoint``). Log-probs are of the temperature-scaled
-full-vocabulary distribution, in float32 (float64 for float64 inputs), as in `lit_smd.rollout.score`.
+full-vocabulary distribution, in float32 (float64 for float64 inputs), as in `lit_smd.learner.score`.
 """
 
 import math

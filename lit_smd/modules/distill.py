@@ -80,7 +80,7 @@ from lit_smd.datamodules.rollout import require_full_weights
 from lit_smd.datamodules.teacher_cache import CachedBatch, CacheMetadata, tokenizer_fingerprint
 from lit_smd.datamodules.teacher_cache_build import teacher_topk_logprobs
 from lit_smd.fsdp import fsdp_strategy, gathered, shard_model, unsharded_attribute
-from lit_smd.learner_layout import LearnerLayout, check_learner_layout, learner_hidden_states
+from lit_smd.learner import LearnerLayout, check_learner_layout, learner_hidden_states
 from lit_smd.lora import LoraSettings, add_lora, check_lora, save_pretrained_merged
 from lit_smd.losses.grpo import masked_mean
 from lit_smd.losses.head import OutputHead, output_head
@@ -152,7 +152,7 @@ class DistillModule(LightningModule):
             ends (rank 0).
         learner_layout: How the teacher-forced passes (student, teacher, probe) lay out a batch: ``"shared_prefix"``
             encodes a prompt once for the consecutive rows that share it (several samples of one prompt, as a teacher
-            cache built with ``num_samples > 1`` stores them; `lit_smd.learner_layout`), ``"per_row"`` one row per
+            cache built with ``num_samples > 1`` stores them; `lit_smd.learner`), ``"per_row"`` one row per
             sample. Same log-probs and gradients.
         sampling_seed: Seed of the mix coin and of the sampling (student prefixes, `probe`). Not named ``seed``: the
             DataModules' ``seed`` (shuffling) is another hyperparameter, and Lightning refuses to log a module and a

@@ -100,7 +100,7 @@ from transformers import PreTrainedModel
 from lit_smd.datamodules.experience import Experience, PhaseListener, report_phase
 from lit_smd.fsdp import fsdp_strategy, is_sharded, shard_model
 from lit_smd.kv import Compressor
-from lit_smd.learner_layout import LearnerLayout, LearnerPass, check_learner_layout, learner_hidden_states
+from lit_smd.learner import LearnerLayout, LearnerPass, check_learner_layout, dense_hidden_states, learner_hidden_states
 from lit_smd.lora import LoraSettings, add_lora, check_lora, lora_disabled
 from lit_smd.losses.grpo import LossType, ScaleRewards, group_advantages, masked_mean, mismatch_stats, policy_loss
 from lit_smd.losses.head import output_head
@@ -205,7 +205,7 @@ class GRPOModule(LightningModule):
             rejected earlier, by `make_experience`.
         learner_layout: How every teacher-forced pass over a rollout batch is laid out (the policy's, the reference's,
             Sparse-RL's dense ``pi_old``, SMD's dense teacher): ``"shared_prefix"`` encodes each prompt once per group
-            of consecutive rows sharing it (`lit_smd.learner_layout`; same log-probs and gradients, a fraction of the
+            of consecutive rows sharing it (`lit_smd.learner`; same log-probs and gradients, a fraction of the
             prompt work), falling back to one row per sample where sharing cannot hold; ``"per_row"`` always runs one
             row per sample.
     """
@@ -417,7 +417,7 @@ class GRPOModule(LightningModule):
         ``kl_stop_gradient="dense"``: ``KL(sg[dense] || masked)``, the dense pass under ``no_grad`` as the teacher and
         the masked pass as the student. With the shared-prefix layout the teacher reuses the masked pass's prompt keys
         and values (the prompt's hidden states are the same in both views) and runs only the completions
-        (`lit_smd.learner_layout.LearnerPass.dense_hidden`). ``"masked"``: ``KL(dense || sg[masked])``, gradient into
+        (`lit_smd.learner.dense_hidden_states`). ``"masked"``: ``KL(dense || sg[masked])``, gradient into
         the dense pass.
 
         Args:
@@ -435,7 +435,7 @@ class GRPOModule(LightningModule):
         common = {"temperature": self.temperature, "mask": mask, "chunk_size": self.logits_chunk_size}
         if self.kl_stop_gradient == "dense":
             with torch.no_grad(), report_phase(self, "teacher"):
-                dense_hidden = masked.dense_hidden()  # [B, N, H]
+                dense_hidden = dense_hidden_states(self.policy, rollout, masked)  # [B, N, H]
             return chunked_token_kl(
                 masked_hidden,
                 head.weight,

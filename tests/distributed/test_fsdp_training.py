@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 import torch
 
-from lit_smd.rollout import score
+from lit_smd.learner import score
 
 pytestmark = [
     pytest.mark.distributed,

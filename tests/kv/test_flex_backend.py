@@ -7,7 +7,8 @@ check is marked slow; `benchmarks/gpu_check.sh` runs forward and backward on a G
 import pytest
 import torch
 
-from lit_smd.rollout import generate, score
+from lit_smd.learner import score
+from lit_smd.rollout import generate
 
 from .conftest import make_compressor
 from .test_shadow_replay import _prompts

@@ -14,7 +14,8 @@ import torch
 
 from lit_smd.kv import RecentWindow, ensure_attention
 from lit_smd.kv.precision import keep_float64_norms
-from lit_smd.rollout import generate, score
+from lit_smd.learner import score
+from lit_smd.rollout import generate
 
 ROPE = {"rope_type": "default", "rope_theta": 1e5}
 

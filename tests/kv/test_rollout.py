@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from lit_smd.kv import H2O, NEVER, BudgetedCache, RecentWindow, SnapKV
-from lit_smd.rollout import generate, prefill, sample_tokens, score
+from lit_smd.learner import score
+from lit_smd.rollout import generate, prefill, sample_tokens
 
 from .conftest import make_compressor
 from .test_shadow_replay import _prompts

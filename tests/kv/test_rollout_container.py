@@ -2,7 +2,8 @@
 
 import torch
 
-from lit_smd.rollout import Rollout, generate, score
+from lit_smd.learner import score
+from lit_smd.rollout import Rollout, generate
 
 from .conftest import make_compressor
 from .test_shadow_replay import _prompts

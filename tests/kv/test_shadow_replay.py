@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from lit_smd.kv import H2O, NEVER, PrefillThenDecode, RecentWindow, SnapKV
-from lit_smd.rollout import generate, score
+from lit_smd.learner import score
+from lit_smd.rollout import generate
 
 from .conftest import make_compressor
 

@@ -14,10 +14,11 @@ from lightning.pytorch.loggers import TensorBoardLogger
 
 from lit_smd.cli import main
 from lit_smd.datamodules import DistillDataModule
+from lit_smd.learner import score
 from lit_smd.losses.kl import token_kl
 from lit_smd.models import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
 from lit_smd.modules import DistillModule
-from lit_smd.rollout import generate, score
+from lit_smd.rollout import generate
 from lit_smd.tasks import arithmetic
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs/distill"

@@ -11,11 +11,12 @@ from torch.utils.data import DataLoader
 from lit_smd.datamodules.experience import Experience
 from lit_smd.datamodules.rollout import RolloutDataModule
 from lit_smd.kv import RecentWindow, SnapKV
+from lit_smd.learner import learner_hidden_states, score
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.losses.sparse_rl import sparse_rl_correction
 from lit_smd.models import save_tiny_checkpoint
 from lit_smd.modules.grpo import GRPOModule
-from lit_smd.rollout import Rollout, completion_hidden_states, generate, score
+from lit_smd.rollout import Rollout, generate
 from lit_smd.tasks import key_value_retrieval
 
 MODES = ("dense", "naive", "mu_ratio", "sparse_rl", "smd")
@@ -183,7 +184,7 @@ def test_smd_kl_matches_a_full_logits_reference(peaky_model_factory, tokenizer, 
         kl_stop_gradient=stop_gradient,
         temperature=0.7,
         logits_chunk_size=4,
-        learner_layout="per_row",  # the reference below is per-row (layouts: tests/test_learner_layout.py)
+        learner_layout="per_row",  # the reference below is per-row (layouts: tests/test_learner.py)
     )
     mask = rollout.completion_mask.clone()
     mask[0, -1] = False
@@ -194,8 +195,8 @@ def test_smd_kl_matches_a_full_logits_reference(peaky_model_factory, tokenizer, 
     policy.zero_grad()
 
     lm_head = policy.get_output_embeddings()
-    masked = lm_head(completion_hidden_states(policy, rollout, shadow=True)) / 0.7  # [B, N, V]
-    dense = lm_head(completion_hidden_states(policy, rollout, shadow=False)) / 0.7  # [B, N, V]
+    masked = lm_head(learner_hidden_states(policy, rollout, shadow=True, layout="per_row").hidden) / 0.7  # [B, N, V]
+    dense = lm_head(learner_hidden_states(policy, rollout, shadow=False, layout="per_row").hidden) / 0.7  # [B, N, V]
     if stop_gradient == "dense":  # KL(sg[dense] || masked)
         teacher, student = dense.detach().log_softmax(-1), masked.log_softmax(-1)
     else:  # KL(dense || sg[masked])

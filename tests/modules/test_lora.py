@@ -13,10 +13,11 @@ from torch.utils.data import DataLoader
 from lit_smd.cli import main
 from lit_smd.datamodules import DistillDataModule
 from lit_smd.kv import H2O, PrefillThenDecode, SnapKV
+from lit_smd.learner import score
 from lit_smd.lora import LoraSettings, add_lora, has_lora, lora_disabled
 from lit_smd.models import build_tiny_model, load_causal_lm, save_tiny_checkpoint
 from lit_smd.modules import DistillModule, GRPOModule
-from lit_smd.rollout import Rollout, generate, score
+from lit_smd.rollout import Rollout, generate
 from lit_smd.tasks import arithmetic, key_value_retrieval
 
 LORA = LoraSettings(r=4, alpha=8.0)

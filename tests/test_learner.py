@@ -1,8 +1,8 @@
 """The shared-prefix learner pass equals the per-row pass: log-probs and parameter gradients in float64.
 
-Each group is packed into one row ``[prompt | c_1 | ... | c_G]`` (`lit_smd.learner_layout`); the reference is the
-per-row pass `lit_smd.rollout.completion_hidden_states`, an independent implementation (one row per sample, the
-shadow mask replayed over the full ``[T, T]`` grid). Rollouts are left-padded, with completions of different lengths,
+Each group is packed into one row ``[prompt | c_1 | ... | c_G]`` (`lit_smd.learner`); the reference is the
+per-row layout (``layout="per_row"``), an independent implementation (one row per sample, the shadow mask replayed
+over the full ``[T, T]`` grid). Rollouts are left-padded, with completions of different lengths,
 on GQA tiny models of every family.
 
 Transformers' RMSNorm computes in float32 even in a float64 model, which caps the agreement of two float64 passes
@@ -19,10 +19,10 @@ import torch
 
 from lit_smd.kv import H2O, NEVER, PrefillThenDecode, SnapKV
 from lit_smd.kv.precision import keep_float64_norms
-from lit_smd.learner_layout import learner_hidden_states, shareable_groups
+from lit_smd.learner import dense_hidden_states, learner_hidden_states, shareable_groups
 from lit_smd.losses.sparse_rl import SparseRLConfig
 from lit_smd.modules.grpo import GRPOModule
-from lit_smd.rollout import Rollout, completion_hidden_states, generate
+from lit_smd.rollout import Rollout, generate
 
 GROUP, NEW = 3, 12
 
@@ -69,10 +69,12 @@ def _logprobs_and_grads(model, rollout, hidden_fn):
     return logprobs.detach(), grads
 
 
+def _per_row(model, rollout, shadow):
+    return learner_hidden_states(model, rollout, shadow=shadow, layout="per_row").hidden  # [B, N, H]
+
+
 def _assert_same(model, rollout, shadow, **kwargs):
-    ref_lp, ref_grads = _logprobs_and_grads(
-        model, rollout, lambda: completion_hidden_states(model, rollout, shadow=shadow)
-    )
+    ref_lp, ref_grads = _logprobs_and_grads(model, rollout, lambda: _per_row(model, rollout, shadow))
     new_lp, new_grads = _logprobs_and_grads(
         model, rollout, lambda: learner_hidden_states(model, rollout, shadow=shadow, **kwargs).hidden
     )
@@ -133,12 +135,12 @@ def test_dense_teacher_reuses_the_prompt_and_matches_a_dense_pass(model64, famil
     rollout.shadow_mask.evict_steps[1, 4, 1, 0] = 5  # one row falls back to the per-row passes
     learner = learner_hidden_states(model, rollout, shadow=True, keep_prompt_kv=True)
     assert learner._packing.plan.prompt_kv, "the masked pass kept no prompt keys"
-    teacher = learner.dense_hidden()
+    teacher = dense_hidden_states(model, rollout, learner)
     assert not teacher.requires_grad
-    expected = completion_hidden_states(model, rollout, shadow=False)
+    expected = _per_row(model, rollout, False)
     valid = rollout.completion_mask[..., None]
     assert ((teacher - expected) * valid).abs().max() <= 1e-10
-    masked = completion_hidden_states(model, rollout, shadow=True)
+    masked = _per_row(model, rollout, True)
     assert ((masked - expected) * valid).abs().max() > 1e-3  # the two views differ: the test can fail
 
 
@@ -163,7 +165,7 @@ def test_no_rows_heads_t_t_tensor_is_kept_for_backward(model64):
     assert not [shape for shape, dtype in saved if dtype == torch.bool]
     assert not [shape for shape, _ in saved if len(shape) == 4 and shape[-1] in (width, slot_keys)]
     # The per-row pass keeps a [B, H_q, T, T] mask per layer: the checks above can fail.
-    _, per_row = _saved_tensors(lambda: completion_hidden_states(model, rollout, shadow=True))
+    _, per_row = _saved_tensors(lambda: _per_row(model, rollout, True))
     per_row_width = rollout.prompt_ids.shape[1] + NEW
     assert (len(rollout), heads, per_row_width, per_row_width) in {shape for shape, _ in per_row}
 
