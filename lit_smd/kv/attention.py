@@ -14,7 +14,8 @@ no model surgery. It dispatches on what the forward call carries:
   ``model.generate(...)`` call behaves as ``attn_implementation="sdpa"``.
 
 Softmax runs in float32 (float64 for float64 models) on every path; `ensure_attention` also keeps the RMSNorms of
-float64 models in float64 (`lit_smd.kv.precision`), so float64 replay is exact on real models too.
+float64 models in float64 (`lit_smd.kv.precision`), so float64 replay is exact on real models too, and runs the
+``nn.Linear`` layers of bfloat16 models by the float32 kernel on CPUs without a bfloat16 one (`lit_smd.reduced_matmul`).
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from transformers.masking_utils import sdpa_mask
 
 from lit_smd.kv.features import AttentionFeatures, attention
 from lit_smd.kv.precision import keep_float64_norms
+from lit_smd.reduced_matmul import float32_cpu_linears
 
 __all__ = ["ATTN_IMPLEMENTATION", "ensure_attention", "lit_smd_attention"]
 
@@ -131,7 +133,9 @@ def check_layer_types(model: PreTrainedModel) -> None:
 def ensure_attention(model: torch.nn.Module) -> None:
     """Switch ``model`` to the lit_smd attention implementation, or explain why it cannot be.
 
-    Also lets its Llama-style RMSNorms compute float64 inputs in float64 (`lit_smd.kv.precision.keep_float64_norms`).
+    Also lets its Llama-style RMSNorms compute float64 inputs in float64 (`lit_smd.kv.precision.keep_float64_norms`),
+    and its linear layers run bfloat16 / float16 by the float32 kernel on CPUs without a native one
+    (`lit_smd.reduced_matmul.float32_cpu_linears`; the same arithmetic, 5-70x faster there).
 
     Raises:
         TypeError: ``model`` is not a transformers `PreTrainedModel`, or its architecture does not route
@@ -144,6 +148,7 @@ def ensure_attention(model: torch.nn.Module) -> None:
         )
     check_layer_types(model)
     keep_float64_norms(model)  # float64 models: no float32 round trip in RMSNorm (see lit_smd.kv.precision)
+    float32_cpu_linears(model)  # bfloat16 on CPUs without bfloat16 matmuls: the float32 kernel
     if model.config._attn_implementation == ATTN_IMPLEMENTATION:
         return
     if not model.is_backend_compatible():

@@ -22,8 +22,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
+
+from lit_smd.reduced_matmul import linear
 
 __all__ = ["IDENTITY", "LOGIT_ATTRIBUTES", "LogitTransform", "OutputHead", "output_head"]
 
@@ -109,7 +110,7 @@ class OutputHead:
     def __call__(self, hidden: Tensor) -> Tensor:
         """Logits ``[..., V]`` of hidden states ``[..., H]``, in float32 (float64 for float64 inputs)."""
         dtype = torch.float64 if torch.float64 in (hidden.dtype, self.weight.dtype) else torch.float32
-        return self.transform.apply_(F.linear(hidden, self.weight, self.bias).to(dtype))  # [..., V]
+        return self.transform.apply_(linear(hidden, self.weight, self.bias).to(dtype))  # [..., V]
 
 
 def output_head(model: torch.nn.Module) -> OutputHead:

@@ -53,6 +53,7 @@ import torch
 from torch import Tensor
 
 from lit_smd.losses.head import IDENTITY, LogitTransform
+from lit_smd.reduced_matmul import addmm_, linear, mm
 
 # (student log-probs chunk [C, V] (owned), row slice, need_grad)
 #     -> (loss per row [C], stats per row [C, 3], d loss_rows / d scaled student logits [C, V] or None)
@@ -219,7 +220,7 @@ def chunked_token_kl(
         if teacher_weight is None:
             log_p = _scaled_log_softmax(teacher_rows[rows], temperature, dtype, owned=False)  # [C, V]
         else:
-            teacher_logits = _linear(teacher_rows[rows], teacher_weight, teacher_bias)  # [C, V]
+            teacher_logits = linear(teacher_rows[rows], teacher_weight, teacher_bias)  # [C, V]
             teacher_logits = _transformed(teacher_logits, teacher_logit_transform, dtype)  # [C, V]
             log_p = _scaled_log_softmax(teacher_logits, temperature, dtype, owned=True)  # [C, V]
             del teacher_logits
@@ -317,7 +318,7 @@ class _ChunkedLinearLoss(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk_size):
             rows = slice(start, start + chunk_size)
             hidden_chunk = hidden[rows]  # [C, H]
-            logits = _transformed(_linear(hidden_chunk, weight, bias), transform, compute_dtype)  # [C, V]
+            logits = _transformed(linear(hidden_chunk, weight, bias), transform, compute_dtype)  # [C, V]
             # The chunk's log-probs go to rows_fn unnamed: it reuses their buffer in place. A softcap's gradient needs
             # the capped logits, so they are then kept (one more [C, V] buffer).
             owned = transform.softcap is None
@@ -331,9 +332,9 @@ class _ChunkedLinearLoss(torch.autograd.Function):
                 grad_logits = grad_logits.mul_(row_weights[rows, None] / temperature)  # [C, V]
                 grad_logits = transform.backward_(grad_logits, logits).to(hidden.dtype)  # [C, V] d/d projection
                 if grad_hidden is not None:
-                    grad_hidden[rows] = grad_logits @ weight  # [C, H]
+                    grad_hidden[rows] = mm(grad_logits, weight)  # [C, H]
                 if grad_weight is not None:
-                    grad_weight.addmm_(grad_logits.T, hidden_chunk)  # [V, H]
+                    addmm_(grad_weight, grad_logits.T, hidden_chunk)  # [V, H]
                 if grad_bias is not None:
                     grad_bias += grad_logits.sum(0)  # [V]
             del grad_logits, logits  # else they would live on beside the next chunk's logits
@@ -418,11 +419,6 @@ def _full_kl_rows(
 def _rowdot(a: Tensor, b: Tensor) -> Tensor:
     """Row-wise dot product ``[C, V] x [C, V] -> [C]`` without a ``[C, V]`` temporary (einsum lowers it to bmm)."""
     return torch.einsum("cv,cv->c", a, b)
-
-
-def _linear(hidden: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-    """Logits ``[C, V]`` from hidden ``[C, H]``, in the input dtype."""
-    return hidden @ weight.T if bias is None else torch.addmm(bias, hidden, weight.T)
 
 
 def _transformed(logits: Tensor, transform: LogitTransform, dtype: torch.dtype) -> Tensor:

@@ -9,11 +9,11 @@ full-vocabulary distribution, in float32 (float64 for float64 inputs), as in `li
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from lit_smd.losses.head import IDENTITY, LogitTransform
+from lit_smd.reduced_matmul import linear
 
 __all__ = ["token_logprobs_and_entropy"]
 
@@ -91,7 +91,7 @@ def _chunk_logprobs(
     dtype: torch.dtype,
     transform: LogitTransform,
 ) -> tuple[Tensor, Tensor]:
-    logits = transform.apply_(F.linear(hidden, weight, bias).to(dtype)) / temperature  # [C, V]
+    logits = transform.apply_(linear(hidden, weight, bias).to(dtype)) / temperature  # [C, V]
     log_norm = logits.logsumexp(dim=-1)  # [C]
     logprobs = logits.gather(-1, ids[:, None]).squeeze(-1) - log_norm  # [C]
     with torch.no_grad():
