@@ -33,6 +33,7 @@ PARTS = {
     "masked_attention": "bench_masked_attention.py",
     "kl_loss": "bench_kl_loss.py",
     "teacher_cache": "bench_teacher_cache.py",
+    "bf16_learner": "bench_bf16_learner.py",
 }
 """Part name -> script in this folder."""
 
@@ -53,6 +54,9 @@ QUICK_ARGS = {
     "masked_attention": ["--models", "tiny", "--seq-lens", "128", "--repeats", "1"],
     "kl_loss": ["--vocab", "1024", "--tokens", "64", "--hidden", "64", "--repeats", "1"],
     "teacher_cache": ["--vocab-size", "1024", "--max-new-tokens", "8", "--steps", "1"],
+    "bf16_learner": [*_TINY_MODEL, "--intermediate-size", "128", "--vocab-size", "256", "--prompt-lens", "24", "20",
+                     "--num-samples", "2", "--new-tokens", "6", "--window", "4", "--sinks", "1", "--repeats", "1",
+                     "--with-native"],
 }
 """Smallest flags per part (``--quick``); a few seconds each on CPU."""
 

@@ -91,3 +91,10 @@ def test_learner_overhead_benchmark(run_all, tmp_path):
     curve = [(p["mode"], p["prompt_len"], p["group"], p["new_tokens"]) for p in payload["curve"]]
     assert curve == [("dense", 48, 2, 4), ("dense", 64, 3, 4), ("smd", 48, 2, 12)]
     assert all(p[f"{layout}_activation_bytes"] > 0 for p in payload["curve"] for layout in ("per_row", "shared_prefix"))
+
+
+def test_bf16_learner_benchmark(run_all, tmp_path):
+    results = {r["variant"]: r for r in _run(run_all, "bf16_learner", tmp_path)["results"]}
+    assert set(results) == {"float32", "bfloat16", "bfloat16_native"}
+    assert results["float32"]["vs_float32"] == 1.0
+    assert all(r["median_s"] > 0 for r in results.values())
