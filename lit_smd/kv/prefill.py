@@ -33,7 +33,7 @@ import torch.nn.functional as F
 
 from lit_smd.kv.features import PLAIN, AttentionFeatures, softmax_dtype
 
-__all__ = ["MIN_BLOCK_ROWS", "PrefillContext", "PromptAttention", "blockwise_attention", "softmax_dtype"]
+__all__ = ["MIN_BLOCK_ROWS", "PrefillContext", "PromptAttention", "blockwise_attention"]
 
 MIN_BLOCK_ROWS = 16
 """Smallest default strip height (query rows per strip; the default is ``max(head_dim, MIN_BLOCK_ROWS)``)."""

@@ -553,8 +553,9 @@ class GRPOModule(LightningModule):
         minus truncated completions with ``mask_truncated_completions``), the learner's ``pi_old`` log-probs when the
         batch is trained off-policy (``num_iterations > 1`` or several minibatches: one no-grad pass, minibatch by
         minibatch as the gradient pass will run them) or for Sparse-RL, the Sparse-RL mask and weights (sparse_rl, over
-        the whole batch), the reference log-probs (when a reference is loaded), and the ``rollout/``, ``kv/`` and
-        ``sparse_rl/`` metrics. Works for a `Rollout` from any source.
+        the whole batch), the reference log-probs (when a reference is loaded), and every metric of the batch
+        (`lit_smd.modules._grpo_metrics.batch_metrics`: ``rollout/``, ``kv/``, ``sparse_rl/``, ``time/``). Works for a
+        `Rollout` from any source.
 
         Args:
             rollout: ``B`` completions, the ``group_size`` completions of each prompt consecutive.
