@@ -35,6 +35,7 @@ import _common as C
 import torch
 
 from lit_smd import reduced_matmul
+from lit_smd.datamodules import ScoredRollout
 from lit_smd.modules import GRPOModule
 from lit_smd.rollout import generate
 
@@ -79,11 +80,12 @@ class LearnerStep:
         ids, mask = C.left_padded_prompts(args.vocab_size, args.prompt_lens, device, seed=args.seed)
         with self.kernels():
             rollout = generate(
-                policy, ids, mask, compressor=compressor, max_new_tokens=args.new_tokens, num_samples=args.num_samples,
+                policy, ids, mask, compressor=compressor, max_new_tokens=args.new_tokens,
+                num_generations=args.num_samples,
                 generator=torch.Generator(device=device).manual_seed(args.seed),
             )  # fmt: skip
         rewards = (torch.arange(len(rollout)) % 3 == 0).float()  # [B * G], mixed within groups
-        self.experience = self.module.make_experience(rollout, rewards, group_size=args.num_samples)
+        self.experience = self.module.make_experience(ScoredRollout(rollout, rewards, num_generations=args.num_samples))
         self.optimizer = torch.optim.AdamW(policy.parameters(), lr=1e-6)
 
     def kernels(self):

@@ -69,7 +69,7 @@ class Learner(L.LightningModule):
         with gathered(self.model, layers=True):
             rollout = generate(
                 self.model, self.prompts, mask, compressor=RecentWindow(self.args.budget, sinks=4),
-                max_new_tokens=self.args.new_tokens, num_samples=2, generator=generator,
+                max_new_tokens=self.args.new_tokens, num_generations=2, generator=generator,
             )  # fmt: skip
         keep = rollout.completion_mask
         hidden = learner_hidden_states(self.model, rollout, shadow=True, layout="per_row").hidden  # [B, N, H]

@@ -56,6 +56,7 @@ from typing import Any
 import _common as C
 import torch
 
+from lit_smd.datamodules import ScoredRollout
 from lit_smd.modules import GRPOModule
 from lit_smd.rollout import Rollout, generate
 
@@ -145,7 +146,7 @@ class Learner:
     def step(self, rollout: Rollout, rewards: torch.Tensor, group: int, device: torch.device) -> None:
         module = self.module
         start = time.perf_counter()
-        experience = module.make_experience(rollout, rewards, group_size=group)
+        experience = module.make_experience(ScoredRollout(rollout, rewards, num_generations=group))
         C.synchronize(device)
         middle = time.perf_counter()
         module.policy.train()
@@ -183,7 +184,7 @@ class ModeRunner:
         start = time.perf_counter()
         rollout = generate(
             policy, ids, mask, compressor=self.compressor, max_new_tokens=args.new_tokens,
-            num_samples=args.num_samples, generator=torch.Generator(device=device).manual_seed(seed),
+            num_generations=args.num_samples, generator=torch.Generator(device=device).manual_seed(seed),
         )  # fmt: skip
         C.synchronize(device)
         self.rollout_times.append(time.perf_counter() - start)
@@ -235,14 +236,14 @@ def _curve_point(policy, args, point: tuple[str, int, int, int], device) -> dict
     compressor = None if mode == "dense" else C.make_compressor(
         "prefill_then_decode", args.budget, window=args.window, sinks=args.sinks
     )
-    rollout = generate(policy, ids, mask, compressor=compressor, max_new_tokens=new_tokens, num_samples=group,
+    rollout = generate(policy, ids, mask, compressor=compressor, max_new_tokens=new_tokens, num_generations=group,
                        generator=torch.Generator(device=device).manual_seed(0))  # fmt: skip
     rewards = (torch.arange(group) % 3 == 0).float()
     row: dict[str, Any] = {"mode": mode, "prompt_len": prompt_len, "group": group, "new_tokens": new_tokens}
     for layout in LAYOUTS:
         module = GRPOModule(policy, mode=mode, compressor=compressor, kl_coef=args.kl_coef, logits_chunk_size=1024,
                             learner_layout=layout)  # fmt: skip
-        experience = module.make_experience(rollout, rewards, group_size=group)
+        experience = module.make_experience(ScoredRollout(rollout, rewards, num_generations=group))
         params = {p.untyped_storage().data_ptr() for p in policy.parameters()}
         policy.zero_grad(set_to_none=True)
         C.synchronize(device)

@@ -50,7 +50,7 @@ def _measure(model, name: str, args: argparse.Namespace, device: torch.device) -
     for seed in range(args.seeds):
         ids, mask = C.left_padded_prompts(model.config.vocab_size, lengths, device, seed=123 + seed)
         rollout = generate(
-            model, ids, mask, compressor=compressor, max_new_tokens=args.new_tokens, num_samples=args.num_samples,
+            model, ids, mask, compressor=compressor, max_new_tokens=args.new_tokens, num_generations=args.num_samples,
             generator=torch.Generator(device=device).manual_seed(seed),
         )
         real = rollout.completion_mask

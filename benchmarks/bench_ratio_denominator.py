@@ -24,6 +24,7 @@ from typing import Any
 import _common as C
 import torch
 
+from lit_smd.datamodules import ScoredRollout
 from lit_smd.modules import GRPOModule
 from lit_smd.rollout import generate
 
@@ -79,12 +80,12 @@ def measure(mode: str, policy, rollout, rewards, args, device) -> list[dict[str,
 
         def experience(num_iterations=num_iterations, minibatch_size=minibatch_size, name=name) -> None:
             before = scored[0]
-            module.make_experience(rollout, rewards, group_size=args.num_samples, num_iterations=num_iterations,
-                                   minibatch_size=minibatch_size)  # fmt: skip
+            plan = {"num_iterations": num_iterations, "minibatch_size": minibatch_size}
+            module.make_experience(ScoredRollout(rollout, rewards, num_generations=args.num_samples, **plan))
             counts[name] = (scored[0] - before) / rows
 
         calls[name] = experience
-    on_policy = module.make_experience(rollout, rewards, group_size=args.num_samples)
+    on_policy = module.make_experience(ScoredRollout(rollout, rewards, num_generations=args.num_samples))
 
     def learner() -> None:
         module.training_step(on_policy, 0).backward()
@@ -131,7 +132,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             compressor = None if mode == "dense" else C.make_compressor("prefill_then_decode", args.budget)
             generator = torch.Generator(device).manual_seed(0)
             rollout = generate(policy, ids, mask, compressor=compressor, max_new_tokens=args.new_tokens,
-                               num_samples=args.num_samples, generator=generator)  # fmt: skip
+                               num_generations=args.num_samples, generator=generator)  # fmt: skip
             payload["results"].extend(measure(mode, policy, rollout, rewards, args, device))
             C.write_json(args.json, payload)
     except KeyboardInterrupt:

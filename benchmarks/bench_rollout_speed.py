@@ -90,7 +90,7 @@ def _run_once(variant: str, models: dict[str, Any], ids, mask, args, device, new
                     name, float(budget), window=args.window, sinks=args.sinks, budget_mode=args.budget_mode
                 )
             rollout = generate(
-                model, ids, mask, compressor=compressor, max_new_tokens=new_tokens, num_samples=args.num_samples,
+                model, ids, mask, compressor=compressor, max_new_tokens=new_tokens, num_generations=args.num_samples,
                 generator=generator, prefill_batch_size=args.prefill_batch_size,
             )
             produced = rollout.completion_ids.shape[1]

@@ -3,7 +3,7 @@
 `generate` owns its prefill/decode loop (``model.generate`` rejects the extra keyword arguments the attention
 function needs): left-padded prompts are prefilled once, in micro-batches of ``prefill_batch_size`` prompts, each
 compressed into the cache before the next runs (so the peak memory is one micro-batch's prefill plus the budgeted
-cache of all rows); the cache is shared by ``num_samples`` completions per prompt, and each step samples every row
+cache of all rows); the cache is shared by ``num_generations`` completions per prompt, and each step samples every row
 with one generator (randomised compressors draw from it too), so a seeded rollout is reproducible. With a
 compressor it returns the `ShadowMask` of what each token could see.
 
@@ -37,7 +37,7 @@ __all__ = ["Rollout", "generate", "prefill", "sample_tokens"]
 
 @dataclass
 class Rollout:
-    """A batch of sampled completions. Rows of the same prompt are consecutive (``num_samples`` each).
+    """A batch of sampled completions. Rows of the same prompt are consecutive (``num_generations`` each).
 
     Attributes:
         prompt_ids: ``[B, P]`` left-padded prompt tokens.
@@ -174,7 +174,7 @@ def sample_tokens(
 
 
 def _check_generate_args(
-    model, input_ids, attention_mask, compressor, max_new_tokens, temperature, top_p, top_k, num_samples,
+    model, input_ids, attention_mask, compressor, max_new_tokens, temperature, top_p, top_k, num_generations,
     prefill_batch_size,
 ) -> None:
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2:
@@ -194,8 +194,8 @@ def _check_generate_args(
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
-    if num_samples < 1:
-        raise ValueError(f"num_samples must be >= 1, got {num_samples}")
+    if num_generations < 1:
+        raise ValueError(f"num_generations must be >= 1, got {num_generations}")
     if isinstance(prefill_batch_size, bool) or not isinstance(prefill_batch_size, int) or prefill_batch_size < 1:
         raise ValueError(f"prefill_batch_size must be an integer >= 1 (prompts per prefill forward), got "
                          f"{prefill_batch_size!r}")
@@ -271,7 +271,7 @@ def generate(
     temperature: float = 1.0,
     top_p: float = 1.0,
     top_k: int = 0,
-    num_samples: int = 1,
+    num_generations: int = 1,
     eos_token_id: int | Sequence[int] | None = None,
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
@@ -291,8 +291,8 @@ def generate(
         temperature: Sampling temperature; log-probs are of the temperature-scaled distribution.
         top_p: Nucleus sampling mass.
         top_k: Top-k sampling (0 = off).
-        num_samples: Completions per prompt; rows ``i * num_samples ... (i + 1) * num_samples - 1`` belong to
-            prompt ``i``. The prefill runs once per prompt.
+        num_generations: Completions per prompt (G); rows ``i * G ... (i + 1) * G - 1`` belong to prompt ``i``. The
+            prefill runs once per prompt.
         eos_token_id: Token id(s) that end a completion.
         pad_token_id: Fills completions after EOS (default: the first EOS id, else 0).
         generator: Random generator on the model's device; seeds the sampling and `RandomEviction`.
@@ -302,14 +302,14 @@ def generate(
             GPUs) at the price of a larger peak.
 
     Returns:
-        A `Rollout` with ``B * num_samples`` rows.
+        A `Rollout` with ``B * num_generations`` rows.
 
     Raises:
         ValueError: Malformed inputs (checked before any model work).
         TypeError: The model does not support transformers' attention interface.
     """
     _check_generate_args(
-        model, input_ids, attention_mask, compressor, max_new_tokens, temperature, top_p, top_k, num_samples,
+        model, input_ids, attention_mask, compressor, max_new_tokens, temperature, top_p, top_k, num_generations,
         prefill_batch_size,
     )
     eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
@@ -317,7 +317,7 @@ def generate(
     device = input_ids.device
     prompt_mask = attention_mask.bool()
     cache = BudgetedCache(
-        model.config.num_hidden_layers, compressor, prompt_mask, max_new_tokens, num_samples, generator=generator
+        model.config.num_hidden_layers, compressor, prompt_mask, max_new_tokens, num_generations, generator=generator
     )
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
     no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)  # as in `prefill`: transformers builds no mask
@@ -325,7 +325,8 @@ def generate(
     was_training = model.training
     model.eval()
     try:
-        logits = prefill(model, cache, input_ids, prefill_batch_size).repeat_interleave(num_samples, dim=0)  # [B*S, V]
+        logits = prefill(model, cache, input_ids, prefill_batch_size)  # [B, V]
+        logits = logits.repeat_interleave(num_generations, dim=0)  # [B * G, V]
         rows = logits.shape[0]
         finished = torch.zeros(rows, dtype=torch.bool, device=device)
         tokens, logprobs, masks = [], [], []
@@ -349,8 +350,8 @@ def generate(
         model.train(was_training)
 
     return Rollout(
-        prompt_ids=input_ids.repeat_interleave(num_samples, dim=0),
-        prompt_mask=prompt_mask.repeat_interleave(num_samples, dim=0),
+        prompt_ids=input_ids.repeat_interleave(num_generations, dim=0),
+        prompt_mask=prompt_mask.repeat_interleave(num_generations, dim=0),
         completion_ids=torch.stack(tokens, dim=1),
         completion_mask=torch.stack(masks, dim=1),
         logprobs=torch.stack(logprobs, dim=1),

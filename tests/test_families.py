@@ -21,6 +21,7 @@ import torch
 from torch.utils.data import DataLoader
 from transformers import AutoConfig, AutoModelForCausalLM
 
+from lit_smd.datamodules import ScoredRollout
 from lit_smd.kv import COMPRESSORS, H2O, PrefillThenDecode, SnapKV, ensure_attention
 from lit_smd.learner import learner_hidden_states, score
 from lit_smd.losses.head import output_head
@@ -94,7 +95,7 @@ def prompts(num_prompts: int = 2, width: int = 24) -> tuple[torch.Tensor, torch.
 def sample(model, compressor, *, num_samples: int = 1, max_new_tokens: int = 10, seed: int = 1) -> Rollout:
     ids, mask = prompts()
     return generate(
-        model, ids, mask, compressor=compressor, max_new_tokens=max_new_tokens, num_samples=num_samples,
+        model, ids, mask, compressor=compressor, max_new_tokens=max_new_tokens, num_generations=num_samples,
         generator=torch.Generator().manual_seed(seed),
     )  # fmt: skip
 
@@ -169,7 +170,7 @@ def test_one_grpo_step(model_type):
     compressor = PrefillThenDecode(SnapKV(0.5, window=4), H2O(0.5, window=2))
     rollout = sample(policy, compressor, num_samples=2, max_new_tokens=6)
     module = GRPOModule(policy, mode="smd", compressor=compressor, optimizer=_sgd, logits_chunk_size=7)
-    experience = module.make_experience(rollout, torch.tensor([0.0, 1.0, 1.0, 0.0]), group_size=2)
+    experience = module.make_experience(ScoredRollout(rollout, torch.tensor([0.0, 1.0, 1.0, 0.0]), num_generations=2))
     before = _parameters(policy)
     trainer = _trainer()
     trainer.fit(module, train_dataloaders=DataLoader([experience], batch_size=None))

@@ -17,6 +17,7 @@ import warnings
 import pytest
 import torch
 
+from lit_smd.datamodules import ScoredRollout
 from lit_smd.kv import H2O, NEVER, PrefillThenDecode, SnapKV
 from lit_smd.kv.precision import keep_float64_norms
 from lit_smd.learner import dense_hidden_states, learner_hidden_states, shareable_groups
@@ -47,7 +48,7 @@ def _rollout(model, *, lengths=(40, 31), compressor=True, seed=1) -> Rollout:
         mask[row, width - length :] = 1
     compressor = PrefillThenDecode(SnapKV(20, window=8), H2O(20, window=4)) if compressor else None
     rollout = generate(model, ids.masked_fill(mask == 0, 0), mask, compressor=compressor, max_new_tokens=NEW,
-                       num_samples=GROUP, generator=g)  # fmt: skip
+                       num_generations=GROUP, generator=g)  # fmt: skip
     # Completions of different lengths: cut rows short as if they had stopped (a prefix of a trajectory is one too).
     keep = torch.tensor([NEW, NEW - 5, 3, NEW - 1, 7, NEW][: len(rollout)])
     cut = torch.arange(NEW)[None, :] >= keep[:, None]
@@ -210,7 +211,9 @@ def test_grpo_module_layouts_give_the_same_experience_loss_and_gradients(model64
     for layout in ("per_row", "shared_prefix"):
         module = GRPOModule(copy.deepcopy(policy), mode=mode, compressor=compressor, beta=0.04, learner_layout=layout,
                             sparse_rl=sparse_rl, temperature=0.9, logits_chunk_size=16)  # fmt: skip
-        experience = module.make_experience(rollout, rewards, group_size=GROUP, num_iterations=2)  # pi_old computed
+        experience = module.make_experience(
+            ScoredRollout(rollout, rewards, num_generations=GROUP, num_iterations=2)
+        )  # pi_old computed
         module.policy.zero_grad()
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")  # self.log outside a Trainer

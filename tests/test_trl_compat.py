@@ -79,7 +79,7 @@ def test_trl_signature_functions_on_a_conversational_dataset(tiny_model_factory,
     policy = tiny_model_factory()
     assert tokenizer.convert_tokens_to_ids(IM_END_TOKEN) in data._eos_ids(policy)  # the template's end of turn
     learner = GRPOModule(policy, mode="dense")
-    experience = data.collect(learner, [0, 1, 2, 3], torch.Generator().manual_seed(0))
+    experience = learner.make_experience(data.collect(learner, [0, 1, 2, 3], torch.Generator().manual_seed(0)))
 
     rows = [json.loads(line) for line in FIXTURE.read_text().splitlines()]
     assert seen["prompts"] == [row["prompt"] for row in rows for _ in range(2)]  # messages, as the dataset gave them

@@ -132,7 +132,7 @@ def evaluate_policy(
         batch_answers = answers[start : start + settings.batch_size]
         enc = tokenizer(batch_prompts, padding=True, return_tensors="pt")
         sampled = generate(
-            model, enc["input_ids"], enc["attention_mask"], compressor=compressor, num_samples=n,
+            model, enc["input_ids"], enc["attention_mask"], compressor=compressor, num_generations=n,
             temperature=settings.temperature, generator=generator, **common,
         )  # fmt: skip
         gold = [a for a in batch_answers for _ in range(n)]

@@ -309,7 +309,7 @@ class GenerationEval(Callback):
                 temperature=temperature,
                 top_p=self.top_p,
                 top_k=self.top_k,
-                num_samples=self.num_samples,
+                num_generations=self.num_samples,
                 eos_token_id=self._eos_ids(policy, templated),
                 pad_token_id=self._tokenizer.pad_token_id,
                 generator=torch.Generator(device=device).manual_seed(seed),

@@ -36,8 +36,9 @@ Phases
 
     Reported by the module or the data side through the module's optional ``phase_listeners`` list
     (`lit_smd.datamodules.experience.report_phase`): ``rollout`` (`lit_smd.datamodules.RolloutDataModule.collect`:
-    sampling, rewards and the no-grad scoring of `GRPOModule.make_experience`; it runs while Lightning fetches the
-    batch, before ``on_train_batch_start``), ``teacher`` (SMD's no-grad dense pass, nested in ``forward``), ``eval``
+    sampling and rewards; it runs while Lightning fetches the batch, before ``on_train_batch_start``), ``experience``
+    (`GRPOModule.make_experience`'s no-grad scoring on a rollout batch's first minibatch, nested in ``forward``),
+    ``teacher`` (SMD's no-grad dense pass, nested in ``forward``), ``eval``
     (`lit_smd.callbacks.GenerationEval`, in validation loops), and any other name a module reports. A phase nested in
     another counts towards both. A phase that a module does not report, or that has no hook, is skipped: with a
     foreign LightningModule only ``forward``, ``backward`` and ``optimizer`` appear.
@@ -47,8 +48,9 @@ KV cache and shadow mask
     reads ``kv_bytes()`` of the `lit_smd.kv.BudgetedCache` that `lit_smd.rollout.generate` passes as
     ``budgeted_cache=`` to every forward of a rollout. The largest value during a ``rollout`` phase is logged: the
     key and value buffers of all layers and all rows of that rollout batch. The shadow-mask size is that of the
-    training batch's shadow mask (``batch.rollout.shadow_mask`` of an `lit_smd.datamodules.Experience`, or of a
-    `lit_smd.rollout.Rollout` batch): the record the learner replays in that step, the minibatch's rows only.
+    training batch's shadow mask (``batch.rollout.shadow_mask`` of a `lit_smd.datamodules.ScoredRollout`'s minibatch
+    rows, of an `lit_smd.datamodules.Experience`, or of a `lit_smd.rollout.Rollout` batch): the record the learner
+    replays in that step, the minibatch's rows only.
 
 Spikes
     Each phase keeps a steady state: the exponential moving average of its earlier peaks
@@ -88,6 +90,7 @@ from lightning.pytorch.utilities.types import STEP_OUTPUT
 from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
+from lit_smd.datamodules.experience import ScoredRollout
 from lit_smd.rollout import Rollout
 
 __all__ = ["MemoryProfiler"]
@@ -287,6 +290,8 @@ class MemoryProfiler(Callback):
     @override
     def on_train_batch_start(self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int) -> None:
         rollout = batch if isinstance(batch, Rollout) else getattr(batch, "rollout", None)
+        if isinstance(batch, ScoredRollout) and batch.num_minibatches > 1:
+            rollout = rollout.select(batch.rows())  # the rows this step trains on
         if isinstance(rollout, Rollout) and rollout.shadow_mask is not None:
             self._sizes["mem/shadow_mask_mib"] = rollout.shadow_mask.nbytes / _MIB
         self._stack.clear()

@@ -2,15 +2,16 @@
 prompt / target rows for supervised fine-tuning.
 
 Every training DataModule resumes exactly from a checkpoint: it subclasses `ResumableDataModule` (every rank's RNG
-streams in the checkpoint) and trains from a `ResumableDataLoader` (or `ExperienceStream`) that continues an epoch
+streams in the checkpoint) and trains from a `ResumableDataLoader` (or `RolloutStream`) that continues an epoch
 part-way. Subclass them for your own DataModules to get the same (`lit_smd.datamodules.resume`).
 """
 
 from lit_smd.datamodules.distill import DistillDataModule, ProbeSource, PromptBatch
-from lit_smd.datamodules.experience import Experience, RolloutLearner
+from lit_smd.datamodules.experience import Experience, RolloutLearner, ScoredRollout
 from lit_smd.datamodules.resume import ResumableDataLoader, ResumableDataModule
-from lit_smd.datamodules.rollout import ExperienceStream, RolloutDataModule
+from lit_smd.datamodules.rollout import RolloutDataModule
 from lit_smd.datamodules.sft import SupervisedDataModule
+from lit_smd.datamodules.stream import RolloutStream
 from lit_smd.datamodules.teacher_cache import (
     CachedBatch,
     CacheMetadata,
@@ -26,13 +27,14 @@ __all__ = [
     "CachedBatch",
     "DistillDataModule",
     "Experience",
-    "ExperienceStream",
+    "RolloutStream",
     "ProbeSource",
     "PromptBatch",
     "ResumableDataLoader",
     "ResumableDataModule",
     "RolloutDataModule",
     "RolloutLearner",
+    "ScoredRollout",
     "SupervisedDataModule",
     "TeacherCacheDataModule",
     "TeacherCacheError",

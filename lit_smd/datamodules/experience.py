@@ -1,13 +1,18 @@
-"""The contract between the GRPO data side and the learner: `Experience`, `RolloutLearner` and phase reporting.
+"""The contract between the GRPO data side and the learner: `ScoredRollout`, `Experience`, `RolloutLearner`, phases.
 
-`lit_smd.datamodules.RolloutDataModule` samples and scores a rollout batch; the learner turns it into an `Experience`
-(`RolloutLearner.make_experience`), which the data side then yields back to it as minibatches. The data side reaches
-the learner only through the small `RolloutLearner` protocol (``policy``, ``compressor``, ``temperature``,
-``make_experience``); `lit_smd.modules.GRPOModule` implements it.
+One GRPO step: `lit_smd.datamodules.RolloutDataModule` samples and rewards a rollout batch and hands it to the learner
+as a `ScoredRollout` (completions, rewards, what the reward functions logged, the data side's timings, and the plan:
+``num_iterations`` passes of ``minibatch_size`` rows), yielded once per minibatch with its ``iteration`` and
+``minibatch`` index. The learner (`lit_smd.modules.GRPOModule`) owns the rest: on a batch's first minibatch it turns
+the scored rollout into an `Experience` (advantages, loss mask, ratio denominators, reference log-probs, every batch
+metric), then trains on that experience's slice. The data side reaches the learner only through the small
+`RolloutLearner` protocol (``policy``, ``compressor``, ``temperature``: what sampling needs).
 
-Checkpoints: `Experience.state_dict` turns an experience into plain CPU tensors and values (loadable with
-``weights_only``), shadow mask included: its ``[L, B, H_kv, T]`` int32 steps are the bulk. The DataModule saves the
-rollout batch in progress this way, so that a resumed run trains on its remaining minibatches.
+Checkpoints: `ScoredRollout.state_dict` and `Experience.learner_state` turn them into plain CPU tensors and values
+(loadable with ``weights_only``), shadow mask included: its ``[L, B, H_kv, T]`` int32 steps are the bulk. Each side
+saves what it owns when a checkpoint falls inside a rollout batch: the DataModule the scored rollout, the learner the
+tensors it computed from it (`Experience.learner_state`), so that a resumed run trains on the remaining minibatches
+exactly as the original run would have.
 
 Phases: `report_phase` runs a block of work as a named phase and notifies the observers registered in the owner's
 optional ``phase_listeners`` (`lit_smd.callbacks.MemoryProfiler`) where it begins and ends; `RolloutDataModule.collect`
@@ -28,9 +33,102 @@ from transformers import TrainerState
 from lit_smd.kv.shadow import ShadowMask
 from lit_smd.rollout import Rollout
 
-__all__ = ["Experience", "PhaseListener", "RolloutLearner", "hf_trainer_state", "report_phase"]
+__all__ = ["Experience", "PhaseListener", "RolloutLearner", "ScoredRollout", "hf_trainer_state", "report_phase"]
 
-_ROW_TENSORS = ("rewards", "advantages", "loss_mask", "old_logprobs", "token_weights", "ref_logprobs")
+_LEARNER_TENSORS = ("advantages", "loss_mask", "old_logprobs", "token_weights", "ref_logprobs")
+_ROW_TENSORS = ("rewards", *_LEARNER_TENSORS)
+
+
+def _rollout_state(rollout: Rollout) -> dict[str, Any]:
+    """A rollout as CPU tensors and plain values (the shadow mask as its eviction steps)."""
+    cpu = rollout.to("cpu")
+    state = {f.name: getattr(cpu, f.name) for f in fields(Rollout) if f.name != "shadow_mask"}
+    state["shadow_evict_steps"] = None if cpu.shadow_mask is None else cpu.shadow_mask.evict_steps
+    return state
+
+
+def _rollout_from_state(state: dict[str, Any]) -> Rollout:
+    state = dict(state)
+    steps = state.pop("shadow_evict_steps")
+    return Rollout(**state, shadow_mask=None if steps is None else ShadowMask(steps))
+
+
+@dataclass
+class ScoredRollout:
+    """A sampled, rewarded rollout batch as the data side hands it to the learner, with the plan it is trained under.
+
+    The data side yields it once per minibatch (``num_iterations`` passes of ``minibatch_size`` rows), the same
+    tensors each time with ``iteration`` / ``minibatch`` set; the learner builds its `Experience` on the first.
+
+    Attributes:
+        rollout: ``B`` completions (`lit_smd.rollout.Rollout`), the ``num_generations`` of each prompt consecutive.
+        rewards: ``[B]`` total (weighted) rewards.
+        num_generations: G, completions per prompt (the GRPO group).
+        reward_components: Each reward function's unweighted ``[B]`` values by name (NaN where it abstained).
+        reward_metrics: What the reward functions logged, by name (logged as ``rollout/reward_metric/<name>``).
+        timings: The data side's ``time/*`` seconds (``time/generate_s``, ``time/reward_s``).
+        max_completion_length: The rollout's ``max_new_tokens`` (the ``dr_grpo`` normaliser); None = the width.
+        num_iterations: Passes the batch is trained for.
+        minibatch_size: Rows per optimizer step (consecutive slices); None = the whole batch in one step.
+        iteration: The pass this item stands for (0 = first).
+        minibatch: The minibatch of that pass this item stands for (0 = first).
+        key: Which rollout batch this is, ``(epoch, step)`` of the data stream: tells a learner restored from a
+            checkpoint whether its saved tensors belong to this batch.
+    """
+
+    rollout: Rollout
+    rewards: Tensor
+    num_generations: int
+    reward_components: dict[str, Tensor] = field(default_factory=dict)
+    reward_metrics: dict[str, float] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    max_completion_length: int | None = None
+    num_iterations: int = 1
+    minibatch_size: int | None = None
+    iteration: int = 0
+    minibatch: int = 0
+    key: tuple[int, int] = (0, 0)
+
+    def __len__(self) -> int:
+        return len(self.rollout)
+
+    @property
+    def num_minibatches(self) -> int:
+        """Minibatches per pass."""
+        return len(self) // (self.minibatch_size or len(self))
+
+    @property
+    def is_first(self) -> bool:
+        """Whether this item is the batch's first minibatch of its first pass."""
+        return self.iteration == 0 and self.minibatch == 0
+
+    @property
+    def is_last(self) -> bool:
+        """Whether this item is the batch's last minibatch of its last pass."""
+        return self.iteration == self.num_iterations - 1 and self.minibatch == self.num_minibatches - 1
+
+    def rows(self) -> slice:
+        """The rows of the batch this item's minibatch trains on."""
+        step = self.minibatch_size or len(self)
+        return slice(self.minibatch * step, (self.minibatch + 1) * step)
+
+    def to(self, device: torch.device | str) -> "ScoredRollout":
+        """The scored rollout with every tensor on ``device`` (Lightning calls this to move batches)."""
+        components = {name: torch.as_tensor(values).to(device) for name, values in self.reward_components.items()}
+        rollout, rewards = self.rollout.to(device), self.rewards.to(device)
+        return replace(self, rollout=rollout, rewards=rewards, reward_components=components)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scored rollout as CPU tensors and plain values (loadable with ``weights_only``), for checkpoints."""
+        cpu = self.to("cpu")
+        plain = {f.name: getattr(cpu, f.name) for f in fields(self) if f.name != "rollout"}
+        return {"rollout": _rollout_state(cpu.rollout), **plain, "key": list(self.key)}
+
+    @classmethod
+    def from_state_dict(cls, state: dict[str, Any]) -> "ScoredRollout":
+        """The scored rollout saved by `state_dict` (on the CPU)."""
+        rest = {name: value for name, value in state.items() if name not in ("rollout", "key")}
+        return cls(rollout=_rollout_from_state(state["rollout"]), key=tuple(state["key"]), **rest)
 
 
 @dataclass
@@ -44,8 +142,8 @@ class Experience:
         loss_mask: ``[B, N]`` bool, the tokens that enter the policy loss (completion tokens, minus masked truncated
             completions, minus Sparse-RL rejections).
         old_logprobs: ``[B, N]`` the ratio's denominator, the learner's view before the batch's first update (one
-            no-grad pass, minibatch by minibatch; the sampler's ``mu`` for mu_ratio), or None when the batch is trained
-            in one on-policy step: the gradient pass's own detached log-probs are the denominator.
+            no-grad pass, minibatch by minibatch), or None when the batch is trained in one on-policy step: the
+            gradient pass's own detached log-probs are the denominator.
         token_weights: ``[B, N]`` per-token importance weights (Sparse-RL) or None.
         ref_logprobs: ``[B, N]`` reference log-probs under the learner's view, or None without a reference.
         reward_components: Each reward function's unweighted ``[B]`` values, by name.
@@ -85,22 +183,27 @@ class Experience:
         components = {name: values[index] for name, values in self.reward_components.items()}
         return replace(self, rollout=self.rollout.select(index), reward_components=components, **picked)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The experience as CPU tensors and plain values (loadable with ``weights_only``), for checkpoints."""
+    def learner_state(self) -> dict[str, Any]:
+        """What the learner computed from its scored rollout, as CPU tensors and plain values, for checkpoints.
+
+        `from_learner_state` joins it with the same `ScoredRollout` again (the data side saves that).
+        """
         cpu = self.to("cpu")
-        rollout = {f.name: getattr(cpu.rollout, f.name) for f in fields(Rollout) if f.name != "shadow_mask"}
-        shadow = cpu.rollout.shadow_mask
-        rollout["shadow_evict_steps"] = None if shadow is None else shadow.evict_steps
-        plain = ("reward_components", "max_completion_length", "iteration", "metrics")
-        return {"rollout": rollout, **{name: getattr(cpu, name) for name in (*_ROW_TENSORS, *plain)}}
+        return {name: getattr(cpu, name) for name in (*_LEARNER_TENSORS, "max_completion_length", "metrics")}
 
     @classmethod
-    def from_state_dict(cls, state: dict[str, Any]) -> "Experience":
-        """The experience saved by `state_dict` (on the CPU)."""
-        rollout = dict(state["rollout"])
-        steps = rollout.pop("shadow_evict_steps")
-        rest = {name: value for name, value in state.items() if name != "rollout"}
-        return cls(rollout=Rollout(**rollout, shadow_mask=None if steps is None else ShadowMask(steps)), **rest)
+    def from_learner_state(cls, scored: ScoredRollout, state: dict[str, Any]) -> "Experience":
+        """The experience whose `learner_state` is ``state``, built on ``scored`` (on ``scored``'s device)."""
+        device = scored.rewards.device
+        tensors = {name: _apply(state[name], lambda t: t.to(device)) for name in _LEARNER_TENSORS}
+        return cls(
+            rollout=scored.rollout,
+            rewards=scored.rewards,
+            reward_components=dict(scored.reward_components),
+            max_completion_length=state["max_completion_length"],
+            metrics=dict(state["metrics"]),
+            **tensors,
+        )
 
 
 def _apply(tensor: Tensor | None, fn: Any) -> Tensor | None:
@@ -135,7 +238,7 @@ def report_phase(owner: object, name: str) -> Iterator[None]:
 
 @runtime_checkable
 class RolloutLearner(Protocol):
-    """What the data side needs from the LightningModule (`lit_smd.modules.GRPOModule` provides it).
+    """What the data side needs from the LightningModule to sample (`lit_smd.modules.GRPOModule` provides it).
 
     Attributes:
         policy: The causal LM being trained (sampled from in eval mode, no grad).
@@ -149,22 +252,6 @@ class RolloutLearner(Protocol):
     policy: Any
     compressor: Any
     temperature: float
-
-    def make_experience(
-        self,
-        rollout: Rollout,
-        rewards: Tensor,
-        *,
-        group_size: int,
-        reward_components: dict[str, Tensor] | None = None,
-        max_completion_length: int | None = None,
-        num_iterations: int = 1,
-        minibatch_size: int | None = None,
-        reward_metrics: dict[str, float] | None = None,
-        timings: dict[str, float] | None = None,
-    ) -> Experience:
-        """Advantages, ratio denominators, reference log-probs and every metric of a scored rollout batch."""
-        ...
 
 
 def hf_trainer_state(trainer: Any) -> TrainerState | None:

@@ -5,7 +5,7 @@ the global RNG streams, and it starts a plain map-style ``DataLoader`` again at 
 epoch. lit_smd's training DataModules fill both gaps, so that ``fit(ckpt_path=...)`` continues as if the run had not
 stopped (`tests/test_resume.py` compares the logs of both step for step):
 
-- Data position: the train loader (`ResumableDataLoader`, `lit_smd.datamodules.ExperienceStream`) orders an epoch by
+- Data position: the train loader (`ResumableDataLoader`, `lit_smd.datamodules.RolloutStream`) orders an epoch by
   a permutation seeded with ``seed + epoch`` (nothing carried from epoch to epoch) and counts the batches it has
   handed out (`EpochPosition`). Its ``state_dict`` goes into the checkpoint with Lightning's loop state; the resumed
   run's loader skips the batches already trained on. The position is the same on every rank.

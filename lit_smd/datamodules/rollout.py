@@ -1,15 +1,16 @@
-"""On-policy experience for GRPO: prompts -> (compressed-cache) rollouts -> rewards -> `Experience` minibatches.
+"""On-policy data for GRPO: prompts -> (compressed-cache) rollouts -> rewards -> `ScoredRollout` minibatches.
 
 Per training step the `RolloutDataModule` draws ``prompts_per_step`` prompts, samples ``num_generations`` (G)
 completions per prompt with the learner's *current* policy under the learner's compressor (`lit_smd.rollout.generate`:
 no grad, eval mode), decodes them, scores them with the reward functions (called as TRL's ``GRPOTrainer`` calls them, by
 `lit_smd.rewards.WeightedRewards`: keyword arguments, the original prompts, conversational completions for
-conversational datasets, ``trainer_state``), and lets the learner turn the scored rollout into an `Experience`
-(`RolloutLearner.make_experience`: advantages, ratio denominators, reference log-probs, metrics). The experience is
-then yielded as minibatches, ``num_iterations`` times over. `Experience` and the `RolloutLearner` protocol are defined
-in `lit_smd.datamodules.experience`.
+conversational datasets, ``trainer_state``), and yields the batch as a `ScoredRollout` once per minibatch,
+``num_iterations`` times over; the learner builds its `Experience` from it (advantages, ratio denominators, reference
+log-probs, metrics) and owns the rest of the step. `ScoredRollout` and the `RolloutLearner` protocol are defined in
+`lit_smd.datamodules.experience`.
 
-On-policy by construction: the train "dataloader" is an `ExperienceStream`, an iterable with a length, which
+On-policy by construction: the train "dataloader" is a `RolloutStream` (`lit_smd.datamodules.stream`), an iterable
+with a length, which
 Lightning does not prefetch, so the rollout of step ``k + 1`` is sampled after the optimizer step of step ``k``.
 Generation runs in the training process (no workers): it needs the policy on its device.
 
@@ -17,15 +18,16 @@ Distributed: every rank draws its own prompts (a shared seeded permutation per e
 and computes advantages for its own groups (a group never spans ranks); all ranks run the same number of steps.
 Generation calls the policy module directly, outside the training step, so every rank needs the full weights: DDP
 holds full replicas; under FSDP2 (`lit_smd.fsdp.FSDP2Strategy`) `collect` gathers the sharded policy whole for the
-rollout and the reference's root for its scoring (`lit_smd.fsdp.gathered`). FSDP1, DeepSpeed ZeRO-3 and a plain
-``ModelParallelStrategy`` are refused at ``setup`` by `require_full_weights` (docs/distributed.md).
+rollout (`lit_smd.fsdp.gathered`; the learner scores the batch in its training step). FSDP1, DeepSpeed ZeRO-3 and a
+plain ``ModelParallelStrategy`` are refused at ``setup`` by `require_full_weights` (docs/distributed.md).
 
 Resuming (`lit_smd.datamodules.resume`): ``fit(ckpt_path=...)`` continues exactly where the run stopped. The stream
 is stateful (``state_dict`` / ``load_state_dict``: the position in the epoch) and samples with one seed per (epoch,
 rank, step); the DataModule's checkpoint state holds every rank's RNG streams and, when the checkpoint falls inside a
-rollout batch (``num_iterations > 1`` or several minibatches), that rank's partly used `Experience`
-(`Experience.state_dict`), whose remaining minibatches the resumed run trains on. Without it (a checkpoint from
-another number of ranks) the batch is sampled again from the same prompts with the current policy, with a warning.
+rollout batch (``num_iterations > 1`` or several minibatches), that rank's partly used `ScoredRollout` (the learner
+saves the experience it built from it), whose remaining minibatches the resumed run trains on. Without it (a
+checkpoint from another number of ranks) the batch is sampled again from the same prompts with the current policy,
+with a warning.
 
 Compared with TRL's ``GRPOTrainer``: ``num_iterations`` is the same; ``minibatch_size`` plays the role of the per-step
 batch of ``steps_per_generation`` (consecutive slices, not shuffled, so the completions of a prompt stay together);
@@ -69,9 +71,9 @@ from lightning.pytorch.strategies import DeepSpeedStrategy, FSDPStrategy, ModelP
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
-from lit_smd.datamodules.experience import Experience, RolloutLearner, hf_trainer_state, report_phase
-from lit_smd.datamodules.limits import check_rollout_memory, rollout_length_limit
-from lit_smd.datamodules.resume import EpochPosition, ResumableDataModule
+from lit_smd.datamodules.experience import RolloutLearner, ScoredRollout, hf_trainer_state, report_phase
+from lit_smd.datamodules.resume import ResumableDataModule
+from lit_smd.datamodules.stream import RolloutStream
 from lit_smd.fsdp import FSDP2Strategy, gathered
 from lit_smd.models import load_tokenizer, single_token_id
 from lit_smd.rewards.combine import DEFAULT_REWARD_TIMEOUT_S, RewardFn, WeightedRewards
@@ -85,13 +87,13 @@ from lit_smd.tasks.chat import (
 )
 from lit_smd.tasks.datasets import check_text_column, prepare_prompts, resolve_dataset
 
-__all__ = ["ExperienceStream", "RolloutDataModule", "require_full_weights"]
+__all__ = ["RolloutDataModule", "require_full_weights"]
 
 logger = logging.getLogger(__name__)
 
 
 class RolloutDataModule(ResumableDataModule):
-    """Prompts in, on-policy GRPO `Experience` minibatches out (see the module docstring).
+    """Prompts in, on-policy GRPO `ScoredRollout` minibatches out (see the module docstring).
 
     Args:
         dataset: The prompt rows: a `datasets.Dataset` with a ``prompt`` column, strings or conversations (TRL's
@@ -137,8 +139,8 @@ class RolloutDataModule(ResumableDataModule):
             micro-batch is compressed before the next, so the rollout's memory peak is one micro-batch's prefill
             plus the budgeted cache of all rows.
 
-    The learner logs each rollout batch's metrics (docs/logged_keys.md); the data side measures and hands it
-    ``time/generate_s``, ``time/reward_s`` and what the reward functions logged (``rollout/reward_metric/<name>``).
+    The learner logs each rollout batch's metrics (docs/logged_keys.md); the data side measures and hands it (in the
+    `ScoredRollout`) ``time/generate_s``, ``time/reward_s`` and what the reward functions logged.
     """
 
     def __init__(
@@ -235,7 +237,7 @@ class RolloutDataModule(ResumableDataModule):
         self.prompts: Dataset | None = None
         self.prompt_lengths: list[int] = []
         self.num_filtered: dict[str, int] = {}
-        self.stream: ExperienceStream | None = None
+        self.stream: RolloutStream | None = None
         self.conversational = False  # whether the training prompts are conversations; known after `setup`
 
     @property
@@ -288,11 +290,11 @@ class RolloutDataModule(ResumableDataModule):
         if not self.prompts:
             raise ValueError(f"no prompt is left after filtering ({self.num_filtered}); check max_prompt_tokens")
 
-    def train_dataloader(self) -> "ExperienceStream":
+    def train_dataloader(self) -> RolloutStream:
         trainer = self.trainer
         if trainer is None:
-            raise RuntimeError("RolloutDataModule.train_dataloader needs a Trainer; use ExperienceStream directly")
-        self.stream = ExperienceStream(
+            raise RuntimeError("RolloutDataModule.train_dataloader needs a Trainer; use RolloutStream directly")
+        self.stream = RolloutStream(
             self, trainer.lightning_module, rank=trainer.global_rank, world_size=trainer.world_size
         )
         return self.stream
@@ -300,8 +302,8 @@ class RolloutDataModule(ResumableDataModule):
     def rank_state(self) -> dict[str, Any]:
         """This rank's checkpoint entry besides its RNG streams: the partly used rollout batch, if any.
 
-        ``{"rollout_batch": {"epoch", "step", "experience"}}`` while the train stream is inside a rollout batch (see
-        `ExperienceStream.rollout_batch_in_progress`), else ``{}``.
+        ``{"rollout_batch": {"epoch", "step", "scored"}}`` while the train stream is inside a rollout batch (see
+        `RolloutStream.rollout_batch_in_progress`), else ``{}``.
         """
         in_progress = None if self.stream is None else self.stream.rollout_batch_in_progress()
         return {} if in_progress is None else {"rollout_batch": in_progress}
@@ -380,29 +382,32 @@ class RolloutDataModule(ResumableDataModule):
 
     @torch.no_grad()
     def collect(
-        self, learner: RolloutLearner, indices: Sequence[int], generator: torch.Generator | None = None
-    ) -> Experience:
-        """One rollout batch: sample G completions for the prompts ``indices``, score them, build the `Experience`.
+        self,
+        learner: RolloutLearner,
+        indices: Sequence[int],
+        generator: torch.Generator | None = None,
+        key: tuple[int, int] = (0, 0),
+    ) -> ScoredRollout:
+        """One rollout batch: sample G completions for the prompts ``indices`` and reward them.
 
         Args:
             learner: The module that owns the policy (see `RolloutLearner`).
             indices: Rows of the prepared prompt dataset.
             generator: Random generator on the policy's device (seeded sampling).
+            key: The batch's ``(epoch, step)`` in the stream (`ScoredRollout.key`).
 
         Returns:
-            The whole batch as one `Experience` (``iteration=0``, with the batch metrics, ``time/*`` included).
+            The whole batch (``iteration=0``, ``minibatch=0``), with this DataModule's training plan.
 
         The work runs as the learner's ``"rollout"`` phase (`report_phase`).
         """
         self.setup()
-        # Under FSDP2 the policy is gathered whole for the rollout (and its scoring), the reference root-only.
-        reference = getattr(learner, "reference", None)
-        with report_phase(learner, "rollout"), gathered(learner.policy, layers=True), gathered(reference, layers=False):
-            return self._collect(learner, indices, generator)
+        with report_phase(learner, "rollout"), gathered(learner.policy, layers=True):  # FSDP2: the policy whole
+            return self._collect(learner, indices, generator, key)
 
     def _collect(
-        self, learner: RolloutLearner, indices: Sequence[int], generator: torch.Generator | None
-    ) -> Experience:
+        self, learner: RolloutLearner, indices: Sequence[int], generator: torch.Generator | None, key: tuple[int, int]
+    ) -> ScoredRollout:
         start = time.perf_counter()
         policy = learner.policy
         device = next(policy.parameters()).device
@@ -423,7 +428,7 @@ class RolloutDataModule(ResumableDataModule):
             temperature=learner.temperature,
             top_p=self.top_p,
             top_k=self.top_k,
-            num_samples=self.num_generations,
+            num_generations=self.num_generations,
             eos_token_id=self._eos_ids(policy),
             pad_token_id=self.tokenizer.pad_token_id,
             generator=generator,
@@ -433,16 +438,17 @@ class RolloutDataModule(ResumableDataModule):
         generated = time.perf_counter()
         rewards = self.score(rollout, rows)
         scored = time.perf_counter()
-        return learner.make_experience(
-            rollout,
-            rewards.total,
-            group_size=self.num_generations,
-            reward_components=rewards.per_function,
+        return ScoredRollout(
+            rollout=rollout,
+            rewards=torch.as_tensor(rewards.total, device=device).flatten(),
+            num_generations=self.num_generations,
+            reward_components={name: torch.as_tensor(v, device=device) for name, v in rewards.per_function.items()},
+            reward_metrics=dict(rewards.metrics),
+            timings={"time/generate_s": generated - start, "time/reward_s": scored - generated},
             max_completion_length=self.max_new_tokens,
             num_iterations=self.num_iterations,
             minibatch_size=self.minibatch_size,
-            reward_metrics=rewards.metrics,
-            timings={"time/generate_s": generated - start, "time/reward_s": scored - generated},
+            key=key,
         )
 
     def score(self, rollout: Rollout, rows: dict[str, list]) -> Any:
@@ -469,133 +475,15 @@ class RolloutDataModule(ResumableDataModule):
         state = hf_trainer_state(self.trainer)
         return self.rewards(prompts, completions, trainer_state=state, completion_ids=ids, **repeated)
 
-    def minibatches(self, experience: Experience) -> Iterator[Experience]:
-        """``num_iterations`` passes of consecutive ``minibatch_size`` slices; batch metrics on the first only."""
-        size = len(experience)
-        step = self.minibatch_size or size
-        if experience.old_logprobs is None and (self.num_iterations > 1 or step < size):
-            raise ValueError(
-                "the learner built this Experience for one on-policy step (old_logprobs is None), but it is trained "
-                f"for num_iterations={self.num_iterations} in minibatches of {step} of {size} rows: pass "
-                "num_iterations and minibatch_size to make_experience"
-            )
-        for iteration in range(self.num_iterations):
-            for start in range(0, size, step):
-                part = experience if step == size else experience.select(slice(start, start + step))
-                first = iteration == 0 and start == 0
-                yield replace(part, iteration=iteration, metrics=dict(experience.metrics) if first else {})
+    def minibatches(self, scored: ScoredRollout) -> Iterator[ScoredRollout]:
+        """The batch once per minibatch: ``num_iterations`` passes of ``minibatch_size`` consecutive rows each."""
+        for iteration in range(scored.num_iterations):
+            for minibatch in range(scored.num_minibatches):
+                yield replace(scored, iteration=iteration, minibatch=minibatch)
 
     def _eos_ids(self, policy: torch.nn.Module) -> list[int]:
         extra = [self.tokenizer.eos_token_id, *self.stop_token_ids]
         return completion_stop_ids(self.tokenizer, policy, extra, self.templated)
-
-
-class ExperienceStream:
-    """The train "dataloader": an iterable with a length, generating each rollout batch when it is requested.
-
-    One epoch is ``len(prompts) // (prompts_per_step * world_size)`` rollout batches (the remainder is dropped), each
-    yielding `RolloutDataModule.batches_per_step` minibatches. The prompt order is a permutation seeded by
-    ``seed + epoch``, shared by all ranks and split between them. Stateful (``state_dict`` / ``load_state_dict``), so
-    Lightning resumes a checkpoint mid-epoch at the next minibatch; a rollout batch in progress at the checkpoint comes
-    back from the DataModule's checkpoint state (`RolloutDataModule.rank_state`) instead of being sampled again.
-
-    Args:
-        datamodule: Supplies the prompts, tokenizer, rewards and sampling settings.
-        learner: The module that owns the policy (see `RolloutLearner`).
-        rank: This process's rank.
-        world_size: Number of processes.
-    """
-
-    def __init__(self, datamodule: RolloutDataModule, learner: RolloutLearner, rank: int = 0, world_size: int = 1):
-        if not isinstance(learner, RolloutLearner):
-            raise TypeError(
-                f"{type(learner).__name__} cannot drive on-policy rollouts: it needs `policy`, `compressor`, "
-                "`temperature` and `make_experience` (see lit_smd.datamodules.RolloutLearner)"
-            )
-        self.datamodule = datamodule
-        self.learner = learner
-        self.rank = rank
-        self.world_size = world_size
-        compressor = learner.compressor
-        config = getattr(learner.policy, "config", None)
-        limit = datamodule.max_prompt_tokens
-        if config is not None:
-            limit = rollout_length_limit(config, datamodule.max_new_tokens, datamodule.max_prompt_tokens)
-        self.indices = datamodule.eligible_indices(1 if compressor is None else compressor.min_prompt_length, limit)
-        per_step = datamodule.prompts_per_step * world_size
-        self.steps_per_epoch = len(self.indices) // per_step
-        if self.steps_per_epoch == 0:
-            raise ValueError(
-                f"{len(self.indices)} usable prompts cannot fill one step of prompts_per_step="
-                f"{datamodule.prompts_per_step} on {world_size} rank(s) (filtered: {datamodule.num_filtered})"
-            )
-        if config is not None:
-            longest = max(datamodule.prompt_lengths[i] for i in self.indices)
-            rows = datamodule.prompts_per_step * datamodule.num_generations
-            check_rollout_memory(learner.policy, rows, longest, datamodule.max_new_tokens, compressor is not None)
-        self.position = EpochPosition()
-        self._rollout_batch: tuple[int, int, Experience] | None = None
-
-    def __len__(self) -> int:
-        return self.steps_per_epoch * self.datamodule.batches_per_step
-
-    def __iter__(self) -> Iterator[Experience]:
-        dm = self.datamodule
-        restored = dm.resume_rank()  # after a restore: this rank's RNG streams are set here, right before sampling
-        skip = self.position.start(dm.trainer_epoch())
-        epoch = self.position.epoch
-        order = torch.randperm(len(self.indices), generator=torch.Generator().manual_seed(dm.seed + epoch))
-        used = self.steps_per_epoch * self.world_size * dm.prompts_per_step
-        order = order[:used].view(self.steps_per_epoch, self.world_size, dm.prompts_per_step)[:, self.rank]
-        device = next(self.learner.policy.parameters()).device
-        per_step = dm.batches_per_step
-        saved = self._saved_rollout_batch(restored, epoch, skip) if skip % per_step else None
-        for step in range(skip // per_step, self.steps_per_epoch):
-            if saved is not None:
-                experience, saved = saved.to(device), None
-            else:
-                # One seed per (epoch, rank, step): a resumed run samples what the original run would have.
-                seed = hash((dm.seed, epoch, self.rank, step)) % 2**63
-                generator = torch.Generator(device=device).manual_seed(seed)
-                experience = dm.collect(self.learner, [self.indices[i] for i in order[step].tolist()], generator)
-            self._rollout_batch = (epoch, step, experience)
-            for index, part in enumerate(dm.minibatches(experience)):
-                if step * per_step + index >= skip:
-                    self.position.advance()
-                    yield part
-
-    def rollout_batch_in_progress(self) -> dict[str, Any] | None:
-        """The rollout batch whose minibatches are partly handed out, for checkpoints; None between rollout batches.
-
-        Returns:
-            ``{"epoch", "step", "experience"}``, the experience as `Experience.state_dict` (CPU tensors).
-        """
-        if self._rollout_batch is None or self.position.consumed % self.datamodule.batches_per_step == 0:
-            return None
-        epoch, step, experience = self._rollout_batch
-        return {"epoch": epoch, "step": step, "experience": experience.state_dict()}
-
-    def state_dict(self) -> dict[str, int]:
-        """Position in the epoch, saved in Lightning checkpoints so that a resumed run continues mid-epoch."""
-        return self.position.state_dict()
-
-    def load_state_dict(self, state_dict: dict[str, int]) -> None:
-        """Resume after ``consumed`` minibatches of ``epoch`` (see `rollout_batch_in_progress`)."""
-        self.position.load_state_dict(state_dict)
-
-    def _saved_rollout_batch(self, restored: dict[str, Any] | None, epoch: int, skip: int) -> Experience | None:
-        """The partly used rollout batch ``skip`` falls in, from this rank's restored checkpoint entry; else warn."""
-        saved = (restored or {}).get("rollout_batch")
-        step = skip // self.datamodule.batches_per_step
-        if saved is not None and (saved["epoch"], saved["step"]) == (epoch, step):
-            return Experience.from_state_dict(saved["experience"])
-        warnings.warn(
-            f"resuming inside rollout batch {step} of epoch {epoch} without its saved experience (a checkpoint from "
-            "another number of ranks, or none saved): it is sampled again with the current policy, so the resumed "
-            "run differs from an uninterrupted one",
-            stacklevel=2,
-        )
-        return None
 
 
 def require_full_weights(strategy: Strategy, component: str) -> None:

@@ -274,7 +274,7 @@ def _write_rows(
             batch = batch.to(device)
             rollout = generate(
                 model, batch.prompt_ids, batch.prompt_mask, max_new_tokens=max_new_tokens, temperature=temperature,
-                top_p=top_p, num_samples=num_samples, eos_token_id=eos_ids, pad_token_id=batch.pad_token_id,
+                top_p=top_p, num_generations=num_samples, eos_token_id=eos_ids, pad_token_id=batch.pad_token_id,
                 generator=generator,
             )  # fmt: skip
             ids, logprobs = teacher_topk_logprobs(model, rollout, top_k, temperature, chunk_size)

@@ -185,7 +185,7 @@ class BudgetedLayer(CacheLayerMixin):
         columns = ranked.gather(-1, order)
         keep = keep.expand(-1, kv_heads, -1).gather(-1, order)
 
-        rows, samples = batch.rows, cache.num_samples
+        rows, samples = batch.rows, cache.num_generations
         gather_kv = columns[..., None].expand(-1, -1, -1, key.shape[-1])
         self.keys[rows, :, :kept] = key.gather(2, gather_kv).repeat_interleave(samples, dim=0)
         self.values[rows, :, :kept] = value.gather(2, gather_kv).repeat_interleave(samples, dim=0)
@@ -265,7 +265,7 @@ class BudgetedCache(Cache):
         compressor: Eviction policy, or None for a dense rollout (nothing is evicted).
         prompt_mask: ``[B, P]`` bool, left-padded prompts (one row per prompt, before sampling).
         max_new_tokens: Decode steps the cache must hold.
-        num_samples: Completions per prompt; the prefill runs once per prompt and its result is shared.
+        num_generations: Completions per prompt; the prefill runs once per prompt and its result is shared.
         generator: The rollout's random generator; randomised policies draw from it (None = torch's default).
 
     Warns:
@@ -278,11 +278,11 @@ class BudgetedCache(Cache):
         compressor: Compressor | None,
         prompt_mask: torch.Tensor,
         max_new_tokens: int,
-        num_samples: int = 1,
+        num_generations: int = 1,
         generator: torch.Generator | None = None,
     ) -> None:
         self.compressor = compressor
-        self.num_samples = num_samples
+        self.num_generations = num_generations
         self.max_new_tokens = max_new_tokens
         self.prompt_width = prompt_mask.shape[1]
         self.prompt_lengths = prompt_mask.sum(dim=1)  # [B]
@@ -306,8 +306,8 @@ class BudgetedCache(Cache):
         last = max(max_new_tokens - 2, 0)  # keys held before the last decode step's write (N - 1 decode steps)
         held = self._kept_after(last) + (1 if max_new_tokens > 1 else 0)
         self.capacity = int(torch.maximum(held, self._keep_cpu).max())
-        self.row_prompt_lengths = self.prompt_lengths.repeat_interleave(num_samples)  # [B * S]
-        self.num_rows = prompt_mask.shape[0] * num_samples
+        self.row_prompt_lengths = self.prompt_lengths.repeat_interleave(num_generations)  # [B * S]
+        self.num_rows = prompt_mask.shape[0] * num_generations
         self.generator = generator
         self.prefill_batch: PromptBatch | None = None
         self._step: _DecodeStep | None = None
@@ -356,11 +356,11 @@ class BudgetedCache(Cache):
         if self.evicts:
             over_cpu = written > self._budget_cpu(decoded)
             if bool(over_cpu.any()):
-                over = over_cpu.repeat_interleave(self.num_samples).to(device)
+                over = over_cpu.repeat_interleave(self.num_generations).to(device)
         self._step = _DecodeStep(
             seen=seen,
             newest=self.decode_position(seen),
-            written=written.repeat_interleave(self.num_samples).to(device),
+            written=written.repeat_interleave(self.num_generations).to(device),
             over=over,
         )
         return self._step
@@ -376,7 +376,7 @@ class BudgetedCache(Cache):
             raise RuntimeError("the prefill of this BudgetedCache has ended; decode steps follow")
         lengths = self.prompt_lengths[start:stop]
         trim = self.prompt_width - int(lengths.max())  # pad columns every prompt of the micro-batch has
-        samples = self.num_samples
+        samples = self.num_generations
         self.prefill_batch = PromptBatch(
             start=start,
             stop=stop,

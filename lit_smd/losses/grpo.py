@@ -119,7 +119,7 @@ def _check_token_tensors(mask: Tensor, **tensors: Tensor | None) -> None:
 
 def group_advantages(
     rewards: Tensor,
-    group_size: int,
+    num_generations: int,
     scale_rewards: ScaleRewards = "group",
     eps: float = 1e-4,
 ) -> Tensor:
@@ -133,11 +133,11 @@ def group_advantages(
     - ``"none"``: ``A_i = r_i - mean_g`` (Dr. GRPO).
 
     Standard deviations are unbiased (Bessel-corrected, as ``torch.std`` and TRL). A group whose rewards are all equal
-    gets exactly 0, never NaN, in every mode; this covers ``group_size == 1``.
+    gets exactly 0, never NaN, in every mode; this covers ``num_generations == 1``.
 
     Args:
         rewards: Shape ``[B]``, one scalar reward per completion. Integer or bool rewards are cast to the default dtype.
-        group_size: G, the number of completions per prompt; ``B`` must be a multiple of it.
+        num_generations: G, the number of completions per prompt; ``B`` must be a multiple of it.
         scale_rewards: Which standard deviation divides the centred rewards, see above.
         eps: Added to the standard deviation before dividing.
 
@@ -150,10 +150,10 @@ def group_advantages(
     """
     if rewards.ndim != 1:
         raise ValueError(f"`rewards` must have shape [B], got {tuple(rewards.shape)}")
-    if group_size < 1:
-        raise ValueError(f"`group_size` must be >= 1, got {group_size}")
-    if rewards.numel() % group_size != 0:
-        raise ValueError(f"`rewards` has {rewards.numel()} rows, not a multiple of `group_size` {group_size}")
+    if num_generations < 1:
+        raise ValueError(f"`num_generations` must be >= 1, got {num_generations}")
+    if rewards.numel() % num_generations != 0:
+        raise ValueError(f"`rewards` has {rewards.numel()} rows, not a multiple of `num_generations` {num_generations}")
     if scale_rewards not in _SCALE_REWARDS:
         raise ValueError(f"`scale_rewards` must be one of {_SCALE_REWARDS}, got {scale_rewards!r}")
     if eps < 0:
@@ -164,10 +164,10 @@ def group_advantages(
     bad_rows = (~torch.isfinite(rewards)).nonzero().flatten().tolist()
     if bad_rows:
         raise ValueError(f"`rewards` must be finite; rows {bad_rows} are not")
-    if group_size == 1:  # every group is constant; also avoids the undefined std of one sample
+    if num_generations == 1:  # every group is constant; also avoids the undefined std of one sample
         return torch.zeros_like(rewards)
 
-    grouped = rewards.view(-1, group_size)  # [B / G, G]
+    grouped = rewards.view(-1, num_generations)  # [B / G, G]
     centred = grouped - grouped.mean(dim=1, keepdim=True)  # [B / G, G]
     if scale_rewards == "group":
         centred = centred / (grouped.std(dim=1, keepdim=True) + eps)  # [B / G, G]

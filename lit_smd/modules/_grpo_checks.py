@@ -41,13 +41,13 @@ def check_grpo_args(
         ValueError: Naming the first invalid argument and what is valid.
     """
     check_model_args({"policy": policy, "reference": reference}, model_dtype, optional=("reference",))
-    modes = ("dense", "naive", "mu_ratio", "sparse_rl", "smd")
+    modes = ("dense", "naive", "sparse_rl", "smd")
     if mode not in modes:
         raise ValueError(f"mode must be one of {modes}, got {mode!r}")
     if mode == "dense" and compressor is not None:
         raise ValueError(
             f"mode='dense' samples without KV compression, but a compressor was given ({compressor!r}); drop it, "
-            "or pick mode='naive', 'mu_ratio', 'sparse_rl' or 'smd'"
+            "or pick mode='naive', 'sparse_rl' or 'smd'"
         )
     if mode != "dense" and compressor is None:
         raise ValueError(f"mode={mode!r} samples with a compressed KV cache: pass a compressor (e.g. SnapKV(0.5))")
@@ -75,7 +75,7 @@ def check_grpo_args(
         raise ValueError(
             f"rollout_correction must be a lit_smd.losses.RolloutCorrection or None, got {rollout_correction!r}"
         )
-    if mode in ("sparse_rl", "mu_ratio") and rollout_correction is not None and rollout_correction.mode != "none":
+    if mode == "sparse_rl" and rollout_correction is not None and rollout_correction.mode != "none":
         own = "corrects on xi = pi_old / mu by its own rules" if mode == "sparse_rl" else "divides by the sampler's mu"
         raise ValueError(
             f"mode={mode!r} {own}; rollout_correction={rollout_correction.mode!r} would correct twice: drop it or "

@@ -17,7 +17,7 @@ def batch_metrics(
     rollout: Rollout,
     rewards: Tensor,
     advantages: Tensor,
-    group_size: int,
+    num_generations: int,
     components: dict[str, Tensor],
     reward_metrics: dict[str, float],
     sparse_rl: SparseRLCorrection | None,
@@ -29,14 +29,14 @@ def batch_metrics(
         rollout: The batch's ``B`` completions.
         rewards: ``[B]`` total rewards.
         advantages: ``[B]`` group advantages.
-        group_size: G, completions per prompt.
+        num_generations: G, completions per prompt.
         components: Each reward function's ``[B]`` values by name (NaN where it abstained).
         reward_metrics: What the reward functions logged, by name.
         sparse_rl: The batch's Sparse-RL correction, or None.
         timings: ``time/*`` seconds; ``time/rollout_s`` is their sum.
     """
     rewards = rewards.double()
-    grouped = rewards.view(-1, group_size)  # [B / G, G]
+    grouped = rewards.view(-1, num_generations)  # [B / G, G]
     lengths = rollout.completion_lengths.double()  # [B]
     metrics = {
         "rollout/reward_mean": rewards.mean(),

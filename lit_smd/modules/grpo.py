@@ -18,9 +18,6 @@ Algorithm
                                                         (default ``sequence_mask``, TRL's) on ``pi_old / mu``
     naive       compressed  dense                       the dense learner before the update; none (the standard learner
                                                         of TRL / verl / slime on a compressed sampler)
-    mu_ratio    compressed  dense                       the sampler's ``mu``; none declared, but PPO's clip acts as a
-                                                        hidden one-sided importance correction (not a baseline of the
-                                                        papers; kept to compare with the tables before the fix)
     sparse_rl   compressed  dense                       the dense learner before the update; Sparse-RL veto, token mask
                                                         and weights on ``xi = pi_old / mu``
     smd         compressed  masked by ``M``             the masked learner ``pi_old^M`` before the update; rollout
@@ -48,17 +45,15 @@ Departures and choices (from the papers, TRL and the SMD repository)
       the official Sparse-RL recipe; TRL's default is ``"dapo"``. All modes use the configured one.
     - Sparse-RL's correction (veto, token bounds, weight normalisation) is computed once per rollout batch in
       `make_experience`, over the whole batch as the paper normalises, and reused by every minibatch and iteration.
-    - The ratio divides by the learner's own view before the update, never by the sampler's ``mu`` (except
-      ``mu_ratio``), as TRL and verl do: on-policy (``num_iterations=1``, one minibatch per rollout batch) by the
+    - The ratio divides by the learner's own view before the update, never by the sampler's ``mu``, as TRL and verl
+      do: on-policy (``num_iterations=1``, one minibatch per rollout batch) by the
       detached log-probs of the gradient pass itself (no extra forward), so the first pass's ratio is exactly 1 in
-      every dtype; otherwise by one no-grad pass per rollout batch in `make_experience`, run minibatch by minibatch in
-      the gradient pass's layout and kernels (bit-equal to it before the first update). What remains between ``mu``
-      and that view is the named ``rollout_correction`` (`lit_smd.losses.rollout_correction`) and the ``mismatch/``
-      keys.
+      every dtype; otherwise by one no-grad pass per rollout batch when its experience is built, run minibatch by
+      minibatch in the gradient pass's layout and kernels (bit-equal to it before the first update). What remains
+      between ``mu`` and that view is the named ``rollout_correction`` (`lit_smd.losses.rollout_correction`) and the
+      ``mismatch/`` keys.
     - ``naive`` is the standard learner (TRL, verl, slime, and the decomposition Sparse-RL assumes): the dense learner
-      with no rollout correction, so the sampler's ``mu`` enters nowhere. ``mu_ratio`` divides by ``mu`` instead (this
-      project's "naive" before the fix): the ratio ``pi_theta / mu`` then carries the sampler-learner gap, and PPO's
-      clip truncates it one-sidedly, a hidden importance correction. It is an option for comparison, never a baseline.
+      with no rollout correction, so the sampler's ``mu`` enters nowhere.
     - The reference KL uses the learner's view: the reference scores the masked view in smd mode and the dense view
       otherwise, so it measures how far the trained view moved from the same view of the reference. ``beta=0`` and no
       ``reference`` loads no reference model; a ``reference`` with ``beta=0`` is scored for ``train/kl_ref`` only.
@@ -78,10 +73,13 @@ Departures and choices (from the papers, TRL and the SMD repository)
     - Rollout correction defaults (``rollout_correction=None``): dense and smd take TRL's default for a sampler that
       is not the trainer's own pass, ``sequence_mask`` with ``clip_max=3`` (a row whose sampler was more than 3x off
       leaves the loss; in float32 and float64 it never triggers); naive is by definition uncorrected (``none``);
-      sparse_rl corrects with its own rules and mu_ratio divides by ``mu``, so both refuse any other than ``none``.
+      sparse_rl corrects with its own rules, so it refuses any other than ``none``.
     - ``mismatch/`` compares the sampler's ``mu`` with the learner's view before the update (the ratio's denominator)
-      on the first pass over each batch; for mu_ratio, with the gradient pass (later minibatches of that pass also
-      see the updates of the earlier ones).
+      on the first pass over each batch.
+    - The step is the module's (Lightning's PPO example, nanochat's ``get_batch``): the data side yields each rewarded
+      rollout batch as a `ScoredRollout`, once per minibatch; the module builds the batch's `Experience` on its first
+      minibatch (`lit_smd.modules._grpo_experience`), trains on each slice, and checkpoints the experience in
+      progress.
 
 Logged keys: docs/logged_keys.md (every ``train/``, ``rollout/``, ``rollout_correction/``, ``kv/``, ``mismatch/``,
 ``smd/``, ``sparse_rl/`` and ``time/`` key of GRPO, its meaning and when it is logged).
@@ -89,7 +87,6 @@ Logged keys: docs/logged_keys.md (every ``train/``, ``rollout/``, ``rollout_corr
 
 import copy
 import time
-import warnings
 from typing import Any, Literal
 
 import torch
@@ -97,17 +94,17 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from lit_smd.datamodules.experience import Experience, PhaseListener, report_phase
+from lit_smd.datamodules.experience import Experience, PhaseListener, ScoredRollout, report_phase
 from lit_smd.fsdp import fsdp_strategy, is_sharded, shard_model
 from lit_smd.kv import Compressor
 from lit_smd.learner import LearnerLayout, LearnerPass, check_learner_layout, dense_hidden_states, learner_hidden_states
-from lit_smd.lora import LoraSettings, add_lora, check_lora, lora_disabled
-from lit_smd.losses.grpo import LossType, ScaleRewards, group_advantages, masked_mean, mismatch_stats, policy_loss
+from lit_smd.lora import LoraSettings, add_lora, check_lora
+from lit_smd.losses.grpo import LossType, ScaleRewards, masked_mean, mismatch_stats, policy_loss
 from lit_smd.losses.head import output_head
 from lit_smd.losses.kl import KLOutput, chunked_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.losses.rollout_correction import RolloutCorrection, rollout_correction
-from lit_smd.losses.sparse_rl import SparseRLConfig, sparse_rl_correction
+from lit_smd.losses.sparse_rl import SparseRLConfig
 from lit_smd.models import Quantization, load_causal_lm
 from lit_smd.modules._common import (
     LRSchedulerCallable,
@@ -121,29 +118,34 @@ from lit_smd.modules._common import (
     freeze,
     prepare_trainable,
 )
-from lit_smd.modules._grpo_checks import check_grpo_args, check_minibatches, check_rollout
-from lit_smd.modules._grpo_metrics import batch_metrics, rollout_correction_metrics
+from lit_smd.modules._grpo_checks import check_grpo_args
+from lit_smd.modules._grpo_experience import ExperienceInProgress, build_experience
+from lit_smd.modules._grpo_metrics import rollout_correction_metrics
 from lit_smd.rollout import Rollout
 
 __all__ = ["GRPOModule", "Mode"]
 
-Mode = Literal["dense", "naive", "mu_ratio", "sparse_rl", "smd"]
+_IN_PROGRESS_KEY = "grpo_experience_in_progress"
+
+Mode = Literal["dense", "naive", "sparse_rl", "smd"]
 KLStopGradient = Literal["dense", "masked"]
 
 
 class GRPOModule(LightningModule):
     """GRPO learner for dense, naive, Sparse-RL and SMD training on (compressed-cache) rollouts.
 
-    Consumes `Experience` batches (`lit_smd.datamodules.RolloutDataModule` produces them on-policy; `make_experience`
-    builds one from any `Rollout`, e.g. one loaded from disk). See the module docstring for the algorithm and logged
-    keys.
+    Trains on `ScoredRollout` batches (`lit_smd.datamodules.RolloutDataModule` yields them on-policy, once per
+    minibatch): on a rollout batch's first minibatch it builds the batch's `Experience` (`make_experience`), then
+    trains on each minibatch's slice. An `Experience` built elsewhere is trained on as it is. See the module docstring
+    for the algorithm; logged keys: docs/logged_keys.md.
 
-    Interface used by the data side (`lit_smd.datamodules.RolloutLearner`): ``policy``, ``compressor``,
-    ``temperature`` and `make_experience`.
+    Interface used by the data side (`lit_smd.datamodules.RolloutLearner`): ``policy``, ``compressor`` and
+    ``temperature``, what sampling needs.
 
     Observers: ``phase_listeners`` (`lit_smd.datamodules.experience.PhaseListener`s, empty by default) are told when the
-    no-grad dense pass of SMD runs (phase ``"teacher"``) and, by the data side, when a rollout runs (``"rollout"``);
-    `lit_smd.callbacks.MemoryProfiler` registers one to measure each phase's peak memory.
+    no-grad dense pass of SMD runs (phase ``"teacher"``), when a batch's experience is built (``"experience"``) and, by
+    the data side, when a rollout runs (``"rollout"``); `lit_smd.callbacks.MemoryProfiler` registers one to measure
+    each phase's peak memory.
 
     Evaluation: `validation_step` / `test_step` compute nothing. ``trainer.validate`` / ``trainer.test`` (and the
     periodic validation of ``fit``) visit batches of evaluation prompts (`RolloutDataModule.val_dataloader` /
@@ -153,15 +155,15 @@ class GRPOModule(LightningModule):
     Example, with rollouts from elsewhere (``batch_size=None``: each item already is a batch)::
 
         module = GRPOModule(policy, mode="smd", compressor=SnapKV(0.5))
-        experience = module.make_experience(Rollout.load("rollout.pt"), rewards, group_size=8)
-        Trainer(max_steps=1).fit(module, DataLoader([experience], batch_size=None))
+        scored = ScoredRollout(Rollout.load("rollout.pt"), rewards, num_generations=8)
+        Trainer(max_steps=1).fit(module, DataLoader([scored], batch_size=None))
 
     Args:
         policy: The model to train: a Hugging Face causal LM, or a hub id / local directory loaded in
             `configure_model` with `lit_smd.models.load_causal_lm`.
-        mode: ``"dense"``, ``"naive"``, ``"mu_ratio"``, ``"sparse_rl"`` or ``"smd"`` (see the module docstring).
-        compressor: KV compressor of the rollouts (a `lit_smd.kv` compressor). Required by naive, mu_ratio,
-            sparse_rl and smd; must be None for dense.
+        mode: ``"dense"``, ``"naive"``, ``"sparse_rl"`` or ``"smd"`` (see the module docstring).
+        compressor: KV compressor of the rollouts (a `lit_smd.kv` compressor). Required by naive, sparse_rl and
+            smd; must be None for dense.
         reference: Frozen reference for the k3 KL: a model, a hub id / directory, or None for a frozen copy of the
             initial policy when ``beta > 0`` (with ``lora``: the policy's base weights, adapters disabled; no copy),
             and no reference at all when ``beta == 0``.
@@ -182,8 +184,8 @@ class GRPOModule(LightningModule):
         rollout_correction: The correction of what remains between the sampler's ``mu`` and the learner's view
             before the update (`lit_smd.losses.RolloutCorrection`: ``none``, ``token_truncate`` (TIS) or
             ``sequence_mask``, with ``clip_max`` / ``clip_min``); None means the mode's default: ``sequence_mask``
-            with ``clip_max=3`` (TRL's) for dense and smd, ``none`` for naive, sparse_rl and mu_ratio (which refuse
-            any other).
+            with ``clip_max=3`` (TRL's) for dense and smd, ``none`` for naive and sparse_rl (which refuses any
+            other).
         optimizer: Optimizer factory called with the policy's trainable parameters; None means AdamW with lr 1e-6
             and no weight decay (TRL / verl defaults).
         lr_scheduler: Optional scheduler factory called with the optimizer, stepped every optimizer step.
@@ -285,6 +287,7 @@ class GRPOModule(LightningModule):
         if isinstance(reference, PreTrainedModel):
             self._frozen["reference"] = reference
         self._learner_start: float | None = None
+        self._in_progress = ExperienceInProgress()
         self.phase_listeners: list[PhaseListener] = []
         if self.policy is not None:
             self._prepare_policy()
@@ -311,16 +314,19 @@ class GRPOModule(LightningModule):
 
     # ------------------------------------------------------------------------------------------------- training
 
-    def training_step(self, batch: Experience, batch_idx: int) -> Tensor:
-        if not isinstance(batch, Experience):
+    def training_step(self, batch: ScoredRollout | Experience, batch_idx: int) -> Tensor:
+        if isinstance(batch, ScoredRollout):
+            batch = self._in_progress.minibatch(self, batch)  # the experience is built on the batch's first minibatch
+            self._learner_start = time.perf_counter()  # time/learner_s: the learner's own work, as before
+        elif not isinstance(batch, Experience):
             raise TypeError(
-                f"GRPOModule.training_step expects an Experience batch, got {type(batch).__name__}; build one from a "
-                "Rollout with GRPOModule.make_experience, or train with lit_smd.datamodules.RolloutDataModule"
+                f"GRPOModule.training_step expects a ScoredRollout or an Experience batch, got {type(batch).__name__}; "
+                "train with lit_smd.datamodules.RolloutDataModule, or wrap a Rollout and its rewards in a ScoredRollout"
             )
         if batch.old_logprobs is None and batch.iteration > 0:
             raise ValueError(
                 f"this Experience has no old_logprobs (built for one on-policy pass) but is trained at iteration "
-                f"{batch.iteration}: build it with make_experience(..., num_iterations=N, minibatch_size=M) for N "
+                f"{batch.iteration}: build it from a ScoredRollout with num_iterations=N and minibatch_size=M for N "
                 "passes of M-row minibatches"
             )
         rollout = batch.rollout
@@ -371,8 +377,7 @@ class GRPOModule(LightningModule):
             metrics["smd/kl"] = kl.forward_kl if self.kl_stop_gradient == "dense" else kl.reverse_kl
         self.nonfinite_guard.record({**loss_parts, "train/loss": loss})
         if batch.iteration == 0:
-            view = logprobs.detach() if self.mode == "mu_ratio" else old_logprobs  # [B, N] the learner's view
-            stats = mismatch_stats(view, rollout.logprobs, rollout.completion_mask)
+            stats = mismatch_stats(old_logprobs, rollout.logprobs, rollout.completion_mask)
             metrics["mismatch/logprob_abs_diff_mean"] = stats.abs_diff_mean
             metrics["mismatch/logprob_abs_diff_max"] = stats.abs_diff_max
             metrics["mismatch/k3_kl"] = stats.kl
@@ -498,9 +503,6 @@ class GRPOModule(LightningModule):
             self.policy, disable_dropout=self.disable_dropout, gradient_checkpointing=self.gradient_checkpointing
         )
 
-    def on_load_checkpoint(self, checkpoint: dict[str, object]) -> None:
-        check_checkpoint_model(self, checkpoint, "policy")
-
     def on_fit_start(self) -> None:
         # from_pretrained returns eval-mode models and Lightning keeps the mode it finds; the learner trains in train
         # mode (activation checkpointing needs it; dropout is off unless disable_dropout=False).
@@ -533,43 +535,15 @@ class GRPOModule(LightningModule):
 
     # ------------------------------------------------------------------------------- experience (data interface)
 
-    @torch.no_grad()
-    def make_experience(
-        self,
-        rollout: Rollout,
-        rewards: Tensor,
-        *,
-        group_size: int,
-        reward_components: dict[str, Tensor] | None = None,
-        max_completion_length: int | None = None,
-        num_iterations: int = 1,
-        minibatch_size: int | None = None,
-        reward_metrics: dict[str, float] | None = None,
-        timings: dict[str, float] | None = None,
-    ) -> Experience:
-        """Turn a scored rollout batch into an `Experience`: advantages, loss mask, ratio denominators, metrics.
+    def make_experience(self, scored: ScoredRollout) -> Experience:
+        """Turn a whole scored rollout batch into its `Experience`, before any update (`training_step` does this on
+        the batch's first minibatch); works for a `Rollout` from any source.
 
-        Computes what the mode needs before any update: the group advantages, the loss mask (``completion_mask``,
-        minus truncated completions with ``mask_truncated_completions``), the learner's ``pi_old`` log-probs when the
-        batch is trained off-policy (``num_iterations > 1`` or several minibatches: one no-grad pass, minibatch by
-        minibatch as the gradient pass will run them) or for Sparse-RL, the Sparse-RL mask and weights (sparse_rl, over
-        the whole batch), the reference log-probs (when a reference is loaded), and every metric of the batch
-        (`lit_smd.modules._grpo_metrics.batch_metrics`: ``rollout/``, ``kv/``, ``sparse_rl/``, ``time/``). Works for a
-        `Rollout` from any source.
-
-        Args:
-            rollout: ``B`` completions, the ``group_size`` completions of each prompt consecutive.
-            rewards: ``[B]`` scalar rewards.
-            group_size: G, completions per prompt.
-            reward_components: Each reward function's ``[B]`` values by name, logged as ``rollout/reward/<name>``.
-            max_completion_length: The ``dr_grpo`` normaliser (the rollout's ``max_new_tokens``); None means the
-                rollout's width.
-            num_iterations: Passes the batch will be trained for.
-            minibatch_size: Rows per optimizer step (consecutive slices, as `RolloutDataModule.minibatches` yields
-                them); None means the whole batch in one step.
-            reward_metrics: What the reward functions logged, logged as ``rollout/reward_metric/<name>``.
-            timings: The data side's ``time/*`` seconds (``time/generate_s``, ``time/reward_s``); ``time/rollout_s``
-                adds this call's own time to them.
+        Computes the group advantages, the loss mask (``completion_mask``, minus truncated completions with
+        ``mask_truncated_completions``), the learner's ``pi_old`` when the batch is trained off-policy
+        (``scored.num_iterations > 1`` or several minibatches: one no-grad pass, minibatch by minibatch as the gradient
+        pass will run them) or for Sparse-RL, the Sparse-RL mask and weights (over the whole batch), the reference
+        log-probs (when a reference is loaded), and every metric of the batch (`lit_smd.modules._grpo_metrics`).
 
         Returns:
             The `Experience` on the module's device, ``iteration=0``. Its ``old_logprobs`` is None when the batch is
@@ -579,56 +553,17 @@ class GRPOModule(LightningModule):
             ValueError: The rollout does not fit the mode (e.g. smd without a shadow mask), or the rewards are
                 malformed or non-finite.
         """
-        start = time.perf_counter()
         self.configure_model()  # no-op under a Trainer; loads / copies the models when called before fit
-        check_rollout(self.mode, rollout)
-        check_minibatches(len(rollout), num_iterations, minibatch_size)
-        rollout = rollout.to(self.device)
-        rewards = torch.as_tensor(rewards, device=self.device).flatten()
-        if rewards.numel() != len(rollout):
-            raise ValueError(f"got {rewards.numel()} rewards for a rollout of {len(rollout)} completions")
-        advantages = group_advantages(rewards, group_size, self.scale_rewards)  # [B]
-        loss_mask = rollout.completion_mask.clone()  # [B, N]
-        if self.mask_truncated_completions:
-            loss_mask &= ~rollout.truncated[:, None]
-            if bool(rollout.truncated.all()):
-                warnings.warn(
-                    "every completion of this batch hit max_new_tokens and mask_truncated_completions=True: the "
-                    "batch gives no policy gradient; raise max_new_tokens or turn the masking off",
-                    stacklevel=2,
-                )
-        on_policy = num_iterations == 1 and (minibatch_size is None or minibatch_size == len(rollout))
-        old_logprobs, token_weights, correction = None, None, None
-        if self.mode == "mu_ratio":
-            old_logprobs = rollout.logprobs
-        elif self.mode == "sparse_rl" or not on_policy:
-            old_logprobs = self._old_logprobs(rollout, minibatch_size)  # [B, N] pi_old before the update
-        if self.mode == "sparse_rl":
-            correction = sparse_rl_correction(old_logprobs, rollout.logprobs, loss_mask, self.sparse_rl)
-            loss_mask, token_weights = correction.mask, correction.weights
-        ref_logprobs = None
-        if self.reference is not None:
-            ref_logprobs = self._score(self.reference, rollout, shadow=self.uses_shadow_view)  # [B, N]
-        elif self.reference_is_base:
-            with lora_disabled(self.policy):
-                ref_logprobs = self._score(self.policy, rollout, shadow=self.uses_shadow_view)  # [B, N]
-        _synchronize(self.device)
-        timings = {**(timings or {}), "time/experience_s": time.perf_counter() - start}
-        metrics = batch_metrics(
-            rollout, rewards, advantages, group_size, reward_components or {}, reward_metrics or {}, correction, timings
-        )
-        return Experience(
-            rollout=rollout,
-            rewards=rewards,
-            advantages=advantages,
-            loss_mask=loss_mask,
-            old_logprobs=None if on_policy and self.mode != "mu_ratio" else old_logprobs,
-            token_weights=token_weights,
-            ref_logprobs=ref_logprobs,
-            reward_components={k: torch.as_tensor(v).to(self.device) for k, v in (reward_components or {}).items()},
-            max_completion_length=max_completion_length,
-            metrics=metrics,
-        )
+        return build_experience(self, scored)
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        checkpoint[_IN_PROGRESS_KEY] = self._in_progress.state_dict()  # a collective: every rank's, on rank 0
+
+    def on_load_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        check_checkpoint_model(self, checkpoint, "policy")
+        trainer = self._trainer
+        if trainer is not None and _IN_PROGRESS_KEY in checkpoint:
+            self._in_progress.load_state_dict(checkpoint[_IN_PROGRESS_KEY], trainer.global_rank, trainer.world_size)
 
     # --------------------------------------------------------------------------------------------------- helpers
 
@@ -651,18 +586,7 @@ class GRPOModule(LightningModule):
         )  # fmt: skip
 
     @torch.no_grad()
-    def _old_logprobs(self, rollout: Rollout, minibatch_size: int | None) -> Tensor:
-        """The learner view's log-probs ``[B, N]`` before the update, one minibatch at a time.
-
-        Each minibatch runs as its gradient pass will (same rows, layout and kernels: shared-prefix packing and matmul
-        shapes depend on the rows together), so in every dtype the result is bit-equal to that pass before an update.
-        """
-        step = minibatch_size or len(rollout)
-        starts = range(0, len(rollout), step)
-        return torch.cat([self.forward(rollout.select(slice(start, start + step))) for start in starts])  # [B, N]
-
-    @torch.no_grad()
-    def _score(self, model: PreTrainedModel, rollout: Rollout, *, shadow: bool) -> Tensor:
+    def score(self, model: PreTrainedModel, rollout: Rollout, *, shadow: bool) -> Tensor:
         """No-grad log-probs ``[B, N]`` of the completion tokens, ``scoring_batch_size`` rows at a time."""
         step = len(rollout) if self.scoring_batch_size is None else self.scoring_batch_size
         parts = []

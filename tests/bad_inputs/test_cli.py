@@ -53,7 +53,7 @@ PARSE_ERRORS = [
     ("wrong float type", ["--config", str(QUICKSTART), "--model.init_args.kl_coef", "lots"],
      r"Parser key \"kl_coef\":\s+Expected a <class 'float'>\. Got value: lots"),
     ("unknown mode", ["--config", str(QUICKSTART), "--model.init_args.mode", "fast"],
-     r"Parser key \"mode\":\s+Expected a typing\.Literal\['dense', 'naive', 'mu_ratio', 'sparse_rl', 'smd'\]\. "
+     r"Parser key \"mode\":\s+Expected a typing\.Literal\['dense', 'naive', 'sparse_rl', 'smd'\]\. "
      r"Got value: fast"),
     ("nonexistent config", ["--config", "/nonexistent/lit-smd.yaml"],
      r"Parser key \"config\": File does not exist: '/nonexistent/lit-smd\.yaml'"),

@@ -19,7 +19,7 @@ import torch
 from datasets import Dataset
 from lightning.pytorch.callbacks import ModelCheckpoint
 
-from lit_smd.datamodules import DistillDataModule, ExperienceStream, RolloutDataModule, SupervisedDataModule
+from lit_smd.datamodules import DistillDataModule, RolloutDataModule, RolloutStream, SupervisedDataModule
 from lit_smd.kv import SnapKV
 from lit_smd.models import build_tiny_model, build_tiny_tokenizer
 from lit_smd.modules import GRPOModule
@@ -204,7 +204,7 @@ def test_unusable_prompts_are_dropped_with_a_logged_count(tokenizer, tiny_policy
     assert "dropped 1 prompts longer than max_prompt_tokens=7" in caplog.text
     learner = GRPOModule(tiny_policy, mode="smd", compressor=SnapKV(0.5, window=8))
     with pytest.raises(ValueError, match=r"0 usable prompts cannot fill one step of prompts_per_step=2 on 1 rank"):
-        ExperienceStream(data, learner)
+        RolloutStream(data, learner)
     assert data.num_filtered["too_short"] == 2
     # SnapKV(0.5, window=8) keeps floor(0.5 * P) prompt keys, at least its window: P >= 16
     assert "dropped 2 prompts shorter than the compressor's 16 tokens" in caplog.text
@@ -233,7 +233,7 @@ def test_rollout_lengths_are_checked_against_the_context_and_memory(context, kwa
                              use_chat_template=False, **kwargs)  # fmt: skip
     policy = build_tiny_model("qwen3", tokenizer=tokenizer, max_position_embeddings=context)
     with pytest.raises(ValueError, match=pattern):
-        ExperienceStream(data, GRPOModule(policy, mode="dense"))
+        RolloutStream(data, GRPOModule(policy, mode="dense"))
 
 
 def test_max_new_tokens_past_the_context_stops_fit_before_the_first_rollout(tmp_path, tokenizer, tree_digest):

@@ -16,7 +16,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from lit_smd.datamodules import DistillDataModule, RolloutDataModule, SupervisedDataModule
+from lit_smd.datamodules import DistillDataModule, RolloutDataModule, ScoredRollout, SupervisedDataModule
 from lit_smd.kv import SnapKV
 from lit_smd.models import (
     build_tiny_model,
@@ -34,13 +34,12 @@ SNAPKV = SnapKV(0.5, window=2)
 # (case, GRPOModule keyword arguments besides the policy, regex); mode="dense" unless given.
 GRPO_ERRORS = [
     ("unknown mode", {"mode": "fast"},
-     r"mode must be one of \('dense', 'naive', 'mu_ratio', 'sparse_rl', 'smd'\), got 'fast'"),
+     r"mode must be one of \('dense', 'naive', 'sparse_rl', 'smd'\), got 'fast'"),
     ("smd without compressor", {"mode": "smd"}, r"mode='smd' samples with a compressed KV cache: pass a compressor"),
     ("naive without compressor", {"mode": "naive"}, r"mode='naive' .*pass a compressor"),
-    ("mu_ratio without compressor", {"mode": "mu_ratio"}, r"mode='mu_ratio' .*pass a compressor"),
     ("sparse_rl without compressor", {"mode": "sparse_rl"}, r"mode='sparse_rl' .*pass a compressor"),
     ("dense with compressor", {"compressor": SNAPKV},
-     r"mode='dense' samples without KV compression, but a compressor was given .*pick mode='naive', 'mu_ratio', "
+     r"mode='dense' samples without KV compression, but a compressor was given .*pick mode='naive', "
      r"'sparse_rl'"),
     ("compressor by name", {"mode": "smd", "compressor": "snapkv"},
      r"compressor must be a lit_smd.kv compressor, got 'snapkv'"),
@@ -252,7 +251,7 @@ def rollouts(tiny_policy):
     """A dense and a compressed rollout of 2 prompts x 2 samples, 2 new tokens each."""
     tokenizer = build_tiny_tokenizer()
     encoded = tokenizer(["12 + 3 =", "4 + 56 ="], return_tensors="pt", padding=True)
-    common = {"max_new_tokens": 2, "num_samples": 2, "generator": torch.Generator().manual_seed(0)}
+    common = {"max_new_tokens": 2, "num_generations": 2, "generator": torch.Generator().manual_seed(0)}
     dense = generate(tiny_policy, encoded.input_ids, encoded.attention_mask, **common)
     compressed = generate(tiny_policy, encoded.input_ids, encoded.attention_mask, compressor=SNAPKV, **common)
     return {"dense": dense, "compressed": compressed}
@@ -266,8 +265,9 @@ EXPERIENCE_ERRORS = [
     ("too few rewards", "dense", "dense", [1.0, 0.0, 1.0], 2, ValueError,
      r"got 3 rewards for a rollout of 4 completions"),
     ("group size not dividing", "dense", "dense", [1.0, 0.0, 1.0, 0.0], 3, ValueError,
-     r"`rewards` has 4 rows, not a multiple of `group_size` 3"),
-    ("zero group size", "dense", "dense", [1.0, 0.0, 1.0, 0.0], 0, ValueError, r"`group_size` must be >= 1, got 0"),
+     r"`rewards` has 4 rows, not a multiple of `num_generations` 3"),
+    ("zero group size", "dense", "dense", [1.0, 0.0, 1.0, 0.0], 0, ValueError,
+     r"`num_generations` must be >= 1, got 0"),
     ("dense rollout for smd", "smd", "dense", [1.0, 0.0, 1.0, 0.0], 2, ValueError,
      r"mode='smd' needs compressed rollouts \(Rollout.shadow_mask is None\)"),
     ("compressed rollout for dense", "dense", "compressed", [1.0, 0.0, 1.0, 0.0], 2, ValueError,
@@ -283,11 +283,11 @@ EXPERIENCE_ERRORS = [
 def test_make_experience_rejects(mode, kind, rewards, group, error, pattern, tiny_policy, rollouts):
     module = GRPOModule(tiny_policy, mode=mode, compressor=None if mode == "dense" else SNAPKV)
     with pytest.raises(error, match=pattern):
-        module.make_experience(rollouts[kind], torch.tensor(rewards), group_size=group)
+        module.make_experience(ScoredRollout(rollouts[kind], torch.tensor(rewards), num_generations=group))
 
 
 def test_training_step_names_the_batch_it_expects(tiny_policy):
-    with pytest.raises(TypeError, match=r"expects an Experience batch, got dict; build one from a Rollout"):
+    with pytest.raises(TypeError, match=r"expects a ScoredRollout or an Experience batch, got dict; train with"):
         GRPOModule(tiny_policy, mode="dense").training_step({"input_ids": torch.ones(1, 2)}, 0)
 
 

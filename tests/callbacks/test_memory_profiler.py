@@ -113,7 +113,7 @@ def test_every_phase_is_measured_and_sizes_are_exact(grpo_run):
     assert float(metrics["mem/kv_cache_mib"]) == pytest.approx(kv_bytes / MIB)
     assert float(metrics["mem/shadow_mask_mib"]) == pytest.approx(grpo_run["sizes"].nbytes[-1] / MIB)
     profiler = grpo_run["profiler"]
-    learner = {phase: 3 for phase in ("rollout", "teacher", "forward", "backward", "optimizer")}
+    learner = {phase: 3 for phase in ("rollout", "experience", "teacher", "forward", "backward", "optimizer")}
     assert profiler.observations == {**learner, "eval": 1}  # the evaluation after step 2, logged with step 3
     assert module.phase_listeners == []  # removed at teardown
 

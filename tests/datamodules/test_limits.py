@@ -5,7 +5,7 @@ import pytest
 import torch
 from datasets import Dataset
 
-from lit_smd.datamodules import ExperienceStream, RolloutDataModule
+from lit_smd.datamodules import RolloutDataModule, RolloutStream
 from lit_smd.datamodules.limits import context_length, rollout_cache_bytes, rollout_length_limit
 from lit_smd.kv import SnapKV
 from lit_smd.kv.cache import BudgetedCache
@@ -65,7 +65,7 @@ def test_a_prompt_past_the_context_is_dropped_by_default_and_counted(tokenizer, 
     data = RolloutDataModule(rows, tokenizer, [zero_reward], prompts_per_step=2, num_generations=2, max_new_tokens=4,
                              use_chat_template=False)  # fmt: skip
     policy = build_tiny_model("qwen3", tokenizer=tokenizer, max_position_embeddings=64)
-    stream = ExperienceStream(data, GRPOModule(policy, mode="dense"))
+    stream = RolloutStream(data, GRPOModule(policy, mode="dense"))
     assert 1 not in stream.indices and len(stream.indices) == 3
     assert data.num_filtered["over_context"] == 1
     message = "dropped 1 prompts longer than the 60 tokens the policy's context leaves after max_new_tokens=4"

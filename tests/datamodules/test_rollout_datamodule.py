@@ -1,4 +1,4 @@
-"""RolloutDataModule: on-policy experience, filtering, reward failures, minibatches and passes, rank sharding."""
+"""RolloutDataModule: on-policy scored rollouts, filtering, reward failures, minibatches and passes, rank sharding."""
 
 import json
 import math
@@ -10,8 +10,9 @@ import lightning as L
 import pytest
 import torch
 
-from lit_smd.datamodules.experience import Experience
-from lit_smd.datamodules.rollout import ExperienceStream, RolloutDataModule
+from lit_smd.datamodules.experience import ScoredRollout
+from lit_smd.datamodules.rollout import RolloutDataModule
+from lit_smd.datamodules.stream import RolloutStream
 from lit_smd.kv import RecentWindow, SnapKV
 from lit_smd.models import save_tiny_checkpoint
 from lit_smd.modules.grpo import GRPOModule
@@ -43,14 +44,15 @@ def test_collect_samples_groups_scores_them_and_times_it(tiny_model_factory, tok
 
     data = make_data(tokenizer, reward_funcs=[spy, digit_share], reward_weights=[1.0, 2.0])
     learner = make_learner(tiny_model_factory)
-    experience = data.collect(learner, [0, 1], torch.Generator().manual_seed(0))
+    scored = data.collect(learner, [0, 1], torch.Generator().manual_seed(0))
 
-    assert isinstance(experience, Experience) and len(experience) == 6
-    assert experience.rollout.shadow_mask is not None and experience.max_completion_length == 4
+    assert isinstance(scored, ScoredRollout) and len(scored) == 6 and scored.num_generations == 3
+    assert scored.rollout.shadow_mask is not None and scored.max_completion_length == 4
     assert seen["prompts"][:3] == [data.prompts[0]["prompt"]] * 3 and len(seen["answer"]) == 6
     assert seen["completions"] == tokenizer.batch_decode(seen["ids"], skip_special_tokens=True)
-    expected = experience.reward_components["spy"] + 2 * experience.reward_components["digit_share"]
-    torch.testing.assert_close(experience.rewards, expected)
+    expected = scored.reward_components["spy"] + 2 * scored.reward_components["digit_share"]
+    torch.testing.assert_close(scored.rewards, expected)
+    experience = learner.make_experience(scored)  # the learner owns the rest of the step, metrics included
     for key in ("time/generate_s", "time/reward_s", "time/rollout_s", "rollout/reward/spy", "kv/visible_fraction",
                 "kv/visible_fraction/prompt", "kv/visible_fraction/decode"):
         assert key in experience.metrics
@@ -93,7 +95,7 @@ def test_over_long_empty_and_too_short_prompts_are_dropped_and_counted(tiny_mode
     assert len(data.prompts) == 5
 
     learner = make_learner(tiny_model_factory, compressor=SnapKV(0.9, window=8))
-    stream = ExperienceStream(data, learner)
+    stream = RolloutStream(data, learner)
     assert data.num_filtered["too_short"] == 1  # "key1?" is shorter than SnapKV's observation window
     assert len(stream.indices) == 4 and stream.steps_per_epoch == 2
 
@@ -101,17 +103,22 @@ def test_over_long_empty_and_too_short_prompts_are_dropped_and_counted(tiny_mode
 def test_no_usable_prompts_is_a_clear_error(tiny_model_factory, tokenizer):
     data = make_data(tokenizer, key_value_retrieval(3, num_pairs=3), prompts_per_step=4)
     with pytest.raises(ValueError, match="cannot fill one step"):
-        ExperienceStream(data, make_learner(tiny_model_factory))
+        RolloutStream(data, make_learner(tiny_model_factory))
 
 
 def test_minibatches_and_passes_share_the_rollout_time_denominators(tiny_model_factory, tokenizer):
     data = make_data(tokenizer, num_iterations=2, minibatch_size=2)
     learner = make_learner(tiny_model_factory)
-    experience = data.collect(learner, [0, 1])
-    parts = list(data.minibatches(experience))
-    assert data.batches_per_step == len(parts) == 6
+    scored = data.collect(learner, [0, 1])
+    items = list(data.minibatches(scored))
+    assert data.batches_per_step == len(items) == 6
+    assert [(item.iteration, item.minibatch) for item in items] == [(i, j) for i in range(2) for j in range(3)]
+    assert all(item.rollout is scored.rollout for item in items)  # the same tensors, yielded once per minibatch
+    parts = [learner._in_progress.minibatch(learner, item) for item in items]  # what training_step trains on
+    experience = learner.make_experience(scored)  # the whole batch's experience, before any update
     assert [p.iteration for p in parts] == [0, 0, 0, 1, 1, 1]
     assert [bool(p.metrics) for p in parts] == [True] + [False] * 5
+    assert learner._in_progress.experience is None  # dropped after the batch's last minibatch
     for index, part in enumerate(parts):
         rows = slice(2 * (index % 3), 2 * (index % 3) + 2)
         assert torch.equal(part.old_logprobs, experience.old_logprobs[rows])
@@ -126,9 +133,9 @@ def test_ranks_draw_disjoint_prompts_and_run_the_same_number_of_steps(tiny_model
     learner = make_learner(tiny_model_factory)
     drawn = {0: [], 1: []}
     for rank in (0, 1):
-        stream = ExperienceStream(data, learner, rank=rank, world_size=2)
+        stream = RolloutStream(data, learner, rank=rank, world_size=2)
         monkeypatch.setattr(
-            data, "collect", lambda _, indices, __, rank=rank: drawn[rank].append(indices) or experience_stub()
+            data, "collect", lambda _, indices, __, key, rank=rank: drawn[rank].append(indices) or scored_stub()
         )
         assert len(stream) == 2 == len(list(stream))
     flat = {rank: [i for step in steps for i in step] for rank, steps in drawn.items()}
@@ -136,7 +143,7 @@ def test_ranks_draw_disjoint_prompts_and_run_the_same_number_of_steps(tiny_model
     assert not set(flat[0]) & set(flat[1])
 
 
-def experience_stub() -> Experience:
+def scored_stub(num_iterations: int = 1) -> ScoredRollout:
     rollout = Rollout(
         prompt_ids=torch.ones(1, 1, dtype=torch.long),
         prompt_mask=torch.ones(1, 1, dtype=torch.bool),
@@ -145,7 +152,7 @@ def experience_stub() -> Experience:
         logprobs=torch.zeros(1, 1),
         finish_reason=["eos"],
     )
-    return Experience(rollout, torch.zeros(1), torch.zeros(1), torch.ones(1, 1, dtype=torch.bool), torch.zeros(1, 1))
+    return ScoredRollout(rollout, torch.zeros(1), num_generations=1, num_iterations=num_iterations)
 
 
 def test_rollouts_are_sampled_by_the_policy_after_the_previous_update(tiny_model_factory, tokenizer):
@@ -154,13 +161,13 @@ def test_rollouts_are_sampled_by_the_policy_after_the_previous_update(tiny_model
     data = make_data(tokenizer, key_value_retrieval(8, num_pairs=3))
     checksum = lambda: float(sum(p.detach().double().sum() for p in learner.policy.parameters()))  # noqa: E731
     at_rollout, after_step = [], []
-    make_experience = learner.make_experience
+    collect = data.collect
 
     def recording(*args, **kwargs):
         at_rollout.append(checksum())
-        return make_experience(*args, **kwargs)
+        return collect(*args, **kwargs)
 
-    learner.make_experience = recording
+    data.collect = recording
 
     class AfterStep(L.Callback):
         def on_train_batch_end(self, trainer, module, outputs, batch, batch_idx):
@@ -239,24 +246,24 @@ def test_stream_resumes_mid_epoch_at_the_next_minibatch(tiny_model_factory, toke
     data = make_data(tokenizer, num_iterations=2)  # 6 prompts, 2 per step: 3 rollout batches of 2 minibatches
     learner = make_learner(tiny_model_factory)
     drawn = []
-    monkeypatch.setattr(data, "collect", lambda _, indices, generator: drawn.append(indices) or experience_stub())
+    monkeypatch.setattr(data, "collect", lambda _, indices, generator, key: drawn.append(indices) or scored_stub(2))
 
-    first = ExperienceStream(data, learner)
+    first = RolloutStream(data, learner)
     batches = iter(first)
     consumed = [next(batches) for _ in range(3)]  # rollout batch 0, then the first pass of batch 1
     assert [b.iteration for b in consumed] == [0, 1, 0]
     state = first.state_dict()
     assert state == {"epoch": 0, "consumed": 3, "world_size": 1}
 
-    resumed = ExperienceStream(data, learner)
+    resumed = RolloutStream(data, learner)
     resumed.load_state_dict(state)
     rest = list(resumed)
     assert len(consumed) + len(rest) == len(first) == 6
     assert [b.iteration for b in rest] == [1, 0, 1]
     assert drawn[2] == drawn[1]  # batch 1 is sampled again from the same prompts
     full = []
-    monkeypatch.setattr(data, "collect", lambda _, indices, generator: full.append(indices) or experience_stub())
-    list(ExperienceStream(data, learner))
+    monkeypatch.setattr(data, "collect", lambda _, indices, generator, key: full.append(indices) or scored_stub(2))
+    list(RolloutStream(data, learner))
     assert drawn[:2] + drawn[3:] == full
 
 

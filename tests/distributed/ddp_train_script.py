@@ -21,6 +21,7 @@ from lightning.pytorch.strategies import DDPStrategy  # noqa: E402
 from torch import Tensor  # noqa: E402
 
 from lit_smd.datamodules.distill import DistillDataModule  # noqa: E402
+from lit_smd.datamodules.experience import Experience, ScoredRollout  # noqa: E402
 from lit_smd.datamodules.rollout import RolloutDataModule  # noqa: E402
 from lit_smd.kv import RecentWindow  # noqa: E402
 from lit_smd.models import build_tiny_model, build_tiny_tokenizer  # noqa: E402
@@ -51,8 +52,17 @@ def tiny_model(seed: int) -> torch.nn.Module:
     return build_tiny_model("qwen3", tokenizer=build_tiny_tokenizer(), seed=seed, initializer_range=0.35)
 
 
-def grpo_module(policy: torch.nn.Module) -> GRPOModule:
-    return GRPOModule(policy, mode="smd", compressor=RecentWindow(12, sinks=2), kl_coef=0.1, optimizer=sgd)
+class RecordingGRPO(GRPOModule):
+    """Keeps every experience this rank built (rollout batch by rollout batch), on the CPU."""
+
+    def make_experience(self, scored: ScoredRollout) -> Experience:
+        experience = super().make_experience(scored)
+        self.recorded.append(experience.to("cpu"))
+        return experience
+
+
+def grpo_module(policy: torch.nn.Module, cls: type[GRPOModule] = GRPOModule) -> GRPOModule:
+    return cls(policy, mode="smd", compressor=RecentWindow(12, sinks=2), kl_coef=0.1, optimizer=sgd)
 
 
 def distill_module(student: torch.nn.Module, teacher: torch.nn.Module, module_class: type = DistillModule):
@@ -147,7 +157,9 @@ def main(out: Path) -> None:
     prompts = key_value_retrieval(NUM_PROMPTS, num_pairs=3)
     policy = tiny_model(seed=0)
     grpo_data = RolloutDataModule(prompts, tokenizer, [char_code_score], use_chat_template=False, **GRPO)
-    fit(grpo_module(policy), grpo_data, out, "grpo", "policy")
+    module = grpo_module(policy, RecordingGRPO)
+    module.recorded = []
+    fit(module, grpo_data, out, "grpo", "policy")
 
     module = distill_module(tiny_model(seed=0), tiny_model(seed=1), RecordingDistill)
     module.recorded = []

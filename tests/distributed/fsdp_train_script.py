@@ -26,6 +26,7 @@ from ddp_train_script import (  # noqa: E402
     NUM_PROMPTS,
     RankLogger,
     RecordingDistill,
+    RecordingGRPO,
     distill_module,
     sgd,  # noqa: F401  (the distillation optimizer, for the test's replay)
     tiny_model,
@@ -33,7 +34,11 @@ from ddp_train_script import (  # noqa: E402
 from lightning.pytorch.callbacks import ModelCheckpoint  # noqa: E402
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict  # noqa: E402
 
-from lit_smd.datamodules import DistillDataModule, RolloutDataModule, SupervisedDataModule  # noqa: E402
+from lit_smd.datamodules import (  # noqa: E402
+    DistillDataModule,
+    RolloutDataModule,
+    SupervisedDataModule,
+)
 from lit_smd.fsdp import FSDP2Strategy  # noqa: E402
 from lit_smd.kv import RecentWindow  # noqa: E402
 from lit_smd.models import build_tiny_tokenizer  # noqa: E402
@@ -59,9 +64,9 @@ def reward(prompts: list[str], completions: list[str], **kwargs: object) -> list
     return [(sum(map(ord, text)) % 5) / 4 for text in completions]
 
 
-def grpo_module() -> GRPOModule:
+def grpo_module(cls: type[GRPOModule] = GRPOModule) -> GRPOModule:
     """smd with a compressed cache, activation checkpointing and a reference (beta > 0), which is sharded too."""
-    return GRPOModule(
+    return cls(
         tiny_model(seed=0), mode="smd", compressor=RecentWindow(12, sinks=2), kl_coef=0.1, beta=0.05,
         optimizer=momentum_sgd, gradient_checkpointing=True,
     )  # fmt: skip
@@ -125,7 +130,7 @@ def fit(build: Any, data: Any, out: Path, run: str, model_attr: str, full_checkp
             logger=RankLogger(), log_every_n_steps=1, enable_progress_bar=False, enable_model_summary=False,
             default_root_dir=out, callbacks=callbacks, num_sanity_val_steps=0, gradient_clip_val=CLIP,
         )  # fmt: skip
-        if module.__class__ is RecordingDistill:
+        if isinstance(module, (RecordingDistill, RecordingGRPO)):
             module.recorded = []
         ckpt = checkpoints / f"step={RESUME_FROM}.ckpt" if resumed else None
         trainer.fit(module, data(), ckpt_path=ckpt)
@@ -160,7 +165,7 @@ def main(out: Path) -> None:
     def sft_data() -> SupervisedDataModule:
         return SupervisedDataModule(prompts, tokenizer, batch_size=SFT_BATCH, use_chat_template=False)
 
-    fit(grpo_module, grpo_data, out, "grpo", "policy")
+    fit(lambda: grpo_module(RecordingGRPO), grpo_data, out, "grpo", "policy")
     bf16_data = RolloutDataModule(prompts, tokenizer, [reward], use_chat_template=False, **GRPO, **BF16_PLAN)
     fit_bf16(grpo_bf16_module, bf16_data, out)
     fit(distill, distill_data, out, "distill", "student")

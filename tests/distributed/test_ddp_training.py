@@ -118,7 +118,8 @@ def test_grpo_advantages_are_the_rank_local_group_advantages_of_its_own_rewards(
     size = script.GRPO["num_generations"]
     nonzero = 0
     for rank in reports["grpo"]["ranks"]:
-        for batch in rank["batches"]:
+        assert len(rank["recorded"]) == len(rank["batches"])  # one experience per rollout batch (one minibatch)
+        for batch in rank["recorded"]:  # the experiences the rank's learner built
             rows = zip(batch.rollout.completion_ids, batch.rollout.completion_mask, strict=True)
             ids = [row[mask].tolist() for row, mask in rows]
             completions = tokenizer.batch_decode(ids, skip_special_tokens=True)
@@ -144,7 +145,7 @@ def test_grpo_logged_metrics_are_reduced_over_ranks(reports):
     report = reports["grpo"]
     logged = _logged_steps(report)
     for step in range(script.STEPS):
-        local = [rank["batches"][step].metrics for rank in report["ranks"]]  # rollout metrics before any reduction
+        local = [rank["recorded"][step].metrics for rank in report["ranks"]]  # rollout metrics before any reduction
         losses = [rank["losses"][step] for rank in report["ranks"]]
         assert local[0]["rollout/reward_mean"] != local[1]["rollout/reward_mean"] or losses[0] != losses[1]
         assert logged[step]["train/loss"] == pytest.approx(sum(losses) / len(losses), rel=1e-6)

@@ -114,7 +114,9 @@ def test_ranks_train_on_different_data(run, reports):
 def test_grpo_under_fsdp2_equals_an_unsharded_replay(reports):
     report = reports["grpo"]
     module = script.grpo_module()
+    module.configure_model()  # the reference: a frozen copy of the initial policy, as fit makes it
     module.policy.train()
+    # each recorded batch is the ScoredRollout a rank trained on: training_step builds its experience, as on the rank
     _replay(module.policy, report["initial"], _steps(report), lambda b: module.training_step(b, 0), script.momentum_sgd)
     _assert_trained_like_replay(module.policy, report)
 
@@ -158,13 +160,15 @@ def test_grpo_compressed_rollouts_and_sharded_reference_match_an_unsharded_shado
     for rank in report["ranks"]:
         first = rank["batches"][0].rollout
         assert first.shadow_mask is not None
-        evicting += int(rank["batches"][0].metrics["kv/visible_fraction"] < 1)
+        experiences = rank["recorded"]  # what the sharded learner built from each rollout batch
+        assert len(experiences) == len(rank["batches"])  # one minibatch per rollout batch
+        evicting += int(experiences[0].metrics["kv/visible_fraction"] < 1)
         with torch.no_grad():  # the first rollout was sampled from the initial weights, gathered from their shards
             torch.testing.assert_close(score(initial, first, shadow=True), first.logprobs, rtol=0, atol=1e-5)
-        for batch in rank["batches"]:  # the frozen reference (the initial policy, sharded) scored every batch
+        for experience in experiences:  # the frozen reference (the initial policy, sharded) scored every batch
             with torch.no_grad():
-                expected = score(initial, batch.rollout, shadow=True)
-            torch.testing.assert_close(batch.ref_logprobs, expected, rtol=0, atol=1e-5)
+                expected = score(initial, experience.rollout, shadow=True)
+            torch.testing.assert_close(experience.ref_logprobs, expected, rtol=0, atol=1e-5)
         for step in rank["logged"]:
             assert step["mismatch/logprob_abs_diff_max"] < 1e-5  # the sharded learner replays the rollout exactly
     assert evicting, "no key was evicted: the shadow-mask checks would be vacuous"

@@ -51,7 +51,7 @@ def _kept_counts(steps: torch.Tensor, prompt_length: int, new: int) -> torch.Ten
 
 def _rollout(model, compressor, seed=0, **kwargs):
     ids, mask = _prompts(model.config.vocab_size, lengths=LENGTHS)
-    return generate(model, ids, mask, compressor=compressor, max_new_tokens=NEW, num_samples=2,
+    return generate(model, ids, mask, compressor=compressor, max_new_tokens=NEW, num_generations=2,
                     generator=torch.Generator().manual_seed(seed), **kwargs)
 
 
@@ -116,7 +116,7 @@ def test_micro_batched_prefill_gives_the_one_shot_rollout(peaky_model_factory, n
     compressor = None if name is None else make_compressor(name, 0.5, budget_mode=mode)
     ids, mask = _prompts(model.config.vocab_size, lengths=(64, 51, 40))
     runs = [
-        generate(model, ids, mask, compressor=compressor, max_new_tokens=12, num_samples=2,
+        generate(model, ids, mask, compressor=compressor, max_new_tokens=12, num_generations=2,
                  generator=torch.Generator().manual_seed(4), prefill_batch_size=size)
         for size in (3, 1, 2)
     ]

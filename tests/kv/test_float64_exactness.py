@@ -105,7 +105,7 @@ def test_recent_window_replay_is_exact_with_real_model_settings(tiny_model_facto
     mask = torch.zeros_like(ids)
     for row, length in enumerate(lengths):
         mask[row, max(lengths) - length :] = 1
-    kwargs = {"compressor": RecentWindow(0.3), "max_new_tokens": 40, "num_samples": 2}
+    kwargs = {"compressor": RecentWindow(0.3), "max_new_tokens": 40, "num_generations": 2}
     first = generate(model, ids, mask, generator=torch.Generator().manual_seed(seed), **kwargs)
     tokens = first.completion_ids[0].tolist()
     eos = next(t for i, t in enumerate(tokens) if i >= 20 and t not in tokens[:i])  # ends row 0 mid-completion

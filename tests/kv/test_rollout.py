@@ -31,7 +31,7 @@ def _dense_reference(model, ids, mask, new, num_samples, generator, temperature=
 def test_dense_and_oversized_budget_rollouts_equal_dense_sampling(peaky_model_factory, family, compressor):
     model = peaky_model_factory(family)
     ids, mask = _prompts(model.config.vocab_size)
-    rollout = generate(model, ids, mask, compressor=compressor, max_new_tokens=16, num_samples=2,
+    rollout = generate(model, ids, mask, compressor=compressor, max_new_tokens=16, num_generations=2,
                        temperature=0.9, generator=torch.Generator().manual_seed(5), prefill_batch_size=2)
     expected = _dense_reference(model, ids, mask, 16, 2, torch.Generator().manual_seed(5), temperature=0.9)
     assert torch.equal(rollout.completion_ids, expected)
@@ -55,7 +55,7 @@ def test_same_seed_same_rollout_and_different_seed_differs(peaky_model_factory):
 def test_samples_of_a_prompt_share_prefill_but_diverge(peaky_model_factory):
     model = peaky_model_factory("qwen3")
     ids, mask = _prompts(256, lengths=(64,))
-    rollout = generate(model, ids, mask, compressor=make_compressor("snapkv"), max_new_tokens=12, num_samples=3,
+    rollout = generate(model, ids, mask, compressor=make_compressor("snapkv"), max_new_tokens=12, num_generations=3,
                        generator=torch.Generator().manual_seed(0))
     steps = rollout.shadow_mask.evict_steps
     assert torch.equal(steps[:, 0, :, :64], steps[:, 1, :, :64])  # the same prompt selection
@@ -69,7 +69,7 @@ def test_eos_ends_each_sequence_and_pads_after_it(tiny_model, tokenizer):
         tiny_model.get_output_embeddings().weight[eos] *= 0
         tiny_model.get_output_embeddings().weight[eos] += tiny_model.get_output_embeddings().weight.mean(0) + 0.05
     batch = tokenizer(["abc", "hello world"], return_tensors="pt", padding=True)
-    rollout = generate(tiny_model, batch.input_ids, batch.attention_mask, max_new_tokens=40, num_samples=4,
+    rollout = generate(tiny_model, batch.input_ids, batch.attention_mask, max_new_tokens=40, num_generations=4,
                        eos_token_id=eos, pad_token_id=tokenizer.pad_token_id,
                        generator=torch.Generator().manual_seed(0))
     for row in range(len(rollout)):
@@ -140,7 +140,7 @@ def test_fraction_budget_memory_ratio_is_about_the_fraction():
         ({"temperature": 0.0}, ValueError, "temperature must be > 0"),
         ({"top_p": 0.0}, ValueError, r"top_p must be in \(0, 1\]"),
         ({"top_k": -1}, ValueError, "top_k must be >= 0"),
-        ({"num_samples": 0}, ValueError, "num_samples must be >= 1"),
+        ({"num_generations": 0}, ValueError, "num_generations must be >= 1"),
         ({"prefill_batch_size": 0}, ValueError, "prefill_batch_size must be an integer >= 1"),
         ({"input_ids": torch.zeros(0, 5, dtype=torch.long)}, ValueError, "input_ids is empty"),
         ({"attention_mask": torch.ones(2, 3)}, ValueError, "attention_mask must have the shape of input_ids"),

@@ -11,7 +11,7 @@ from .test_shadow_replay import _prompts
 
 def _two_rollouts(model):
     ids, mask = _prompts(256, lengths=(64, 51))
-    first = generate(model, ids, mask, compressor=make_compressor("h2o"), max_new_tokens=10, num_samples=2,
+    first = generate(model, ids, mask, compressor=make_compressor("h2o"), max_new_tokens=10, num_generations=2,
                      generator=torch.Generator().manual_seed(0))
     ids, mask = _prompts(256, lengths=(40,), seed=7)
     second = generate(model, ids, mask, compressor=make_compressor("h2o"), max_new_tokens=14,

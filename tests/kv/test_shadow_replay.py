@@ -30,7 +30,7 @@ def _prompts(vocab: int, lengths=(PROMPT, PROMPT - 13), seed: int = 123):
 def _rollout(model, compressor, *, num_samples=2, new=NEW, seed=0, **kwargs):
     ids, mask = _prompts(model.config.vocab_size)
     return generate(
-        model, ids, mask, compressor=compressor, max_new_tokens=new, num_samples=num_samples,
+        model, ids, mask, compressor=compressor, max_new_tokens=new, num_generations=num_samples,
         generator=torch.Generator().manual_seed(seed), **kwargs,
     )
 

@@ -66,7 +66,7 @@ def test_group_advantages_hand_computed_group_scaling():
     std = statistics.stdev([1.0, 0.0, 1.0, 0.0])  # sqrt(1/3), Bessel-corrected
     a = 0.5 / (std + 1e-4)
     expected = torch.tensor([a, -a, a, -a, 0.0, 0.0, 0.0, 0.0])
-    torch.testing.assert_close(group_advantages(rewards, group_size=4), expected)
+    torch.testing.assert_close(group_advantages(rewards, num_generations=4), expected)
 
 
 def test_group_advantages_batch_and_none_scaling():
@@ -107,12 +107,12 @@ def test_group_advantages_accepts_integer_and_bool_rewards():
 @pytest.mark.parametrize(
     ("rewards", "kwargs", "match"),
     [
-        (torch.zeros(2, 2), {"group_size": 2}, "`rewards`"),
-        (torch.zeros(4), {"group_size": 0}, "`group_size`"),
-        (torch.zeros(6), {"group_size": 4}, "`group_size`"),
-        (torch.zeros(4), {"group_size": 2, "scale_rewards": "std"}, "`scale_rewards`"),
-        (torch.zeros(4), {"group_size": 2, "eps": -1.0}, "`eps`"),
-        (torch.tensor([0.0, math.nan, 1.0, math.inf]), {"group_size": 2}, r"rows \[1, 3\]"),
+        (torch.zeros(2, 2), {"num_generations": 2}, "`rewards`"),
+        (torch.zeros(4), {"num_generations": 0}, "`num_generations`"),
+        (torch.zeros(6), {"num_generations": 4}, "`num_generations`"),
+        (torch.zeros(4), {"num_generations": 2, "scale_rewards": "std"}, "`scale_rewards`"),
+        (torch.zeros(4), {"num_generations": 2, "eps": -1.0}, "`eps`"),
+        (torch.tensor([0.0, math.nan, 1.0, math.inf]), {"num_generations": 2}, r"rows \[1, 3\]"),
     ],
 )
 def test_group_advantages_validation(rewards, kwargs, match):

@@ -116,7 +116,7 @@ def test_sampled_estimator_applies_reverse_weight(tokenizer):
     teacher = build_tiny_model("qwen3", tokenizer=tokenizer, dtype=torch.float64, **TEACHER)
     encoded = tokenizer(list(arithmetic(3, seed=4)["prompt"]), padding=True, return_tensors="pt")
     rollout = generate(
-        student, encoded["input_ids"], encoded["attention_mask"], max_new_tokens=5, num_samples=2,
+        student, encoded["input_ids"], encoded["attention_mask"], max_new_tokens=5, num_generations=2,
         eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
         generator=torch.Generator().manual_seed(0),
     )  # fmt: skip

@@ -6,6 +6,7 @@ dividing by the sampler's ``mu`` would put kernel noise into PPO's clip. These t
 """
 
 import copy
+import dataclasses
 import math
 
 import pytest
@@ -13,6 +14,7 @@ import torch
 from datasets import interleave_datasets
 from lightning.pytorch.callbacks import Callback
 
+from lit_smd.datamodules import ScoredRollout
 from lit_smd.datamodules.rollout import RolloutDataModule
 from lit_smd.kv import H2O, PrefillThenDecode, RecentWindow, SnapKV
 from lit_smd.learner import score
@@ -121,7 +123,7 @@ def test_token_truncate_weights_the_policy_term_by_min_of_pi_old_over_mu(peaky_m
     rewards = torch.arange(len(rollout), dtype=torch.float64)
     correction = RolloutCorrection("token_truncate", clip_max=1.5)
     module = GRPOModule(copy.deepcopy(policy), mode="naive", compressor=compressor, rollout_correction=correction)
-    experience = module.make_experience(rollout, rewards, group_size=4)
+    experience = module.make_experience(ScoredRollout(rollout, rewards, num_generations=4))
     recorder = StepMetrics()
     make_trainer(max_steps=1, callbacks=[recorder]).fit(module, loader(experience))
 
@@ -156,7 +158,7 @@ def test_sequence_mask_drops_rows_outside_the_band_from_the_loss(peaky_model_fac
     assert 0 < int(kept.sum()) < len(rollout), "the band keeps all or nothing: the test shows nothing"
     correction = RolloutCorrection("sequence_mask", clip_min=band[0], clip_max=band[1])
     module = GRPOModule(copy.deepcopy(policy), mode="naive", compressor=compressor, rollout_correction=correction)
-    experience = module.make_experience(rollout, rewards, group_size=4)
+    experience = module.make_experience(ScoredRollout(rollout, rewards, num_generations=4))
     recorder = StepMetrics()
     make_trainer(max_steps=1, callbacks=[recorder]).fit(module, loader(experience))
 
@@ -170,23 +172,19 @@ def test_defaults_per_mode_and_double_corrections_refused(tiny_model):
     compressor = SnapKV(0.5)
     assert GRPOModule(tiny_model, mode="smd", compressor=compressor).rollout_correction == RolloutCorrection()
     assert GRPOModule(tiny_model, mode="dense").rollout_correction.mode == "sequence_mask"
-    for mode in ("naive", "sparse_rl", "mu_ratio"):
+    for mode in ("naive", "sparse_rl"):
         assert GRPOModule(tiny_model, mode=mode, compressor=compressor).rollout_correction.mode == "none"
-    for mode in ("sparse_rl", "mu_ratio"):
-        with pytest.raises(ValueError, match=rf"mode='{mode}' .* would correct twice"):
-            GRPOModule(tiny_model, mode=mode, compressor=compressor, rollout_correction=RolloutCorrection())
+    with pytest.raises(ValueError, match=r"mode='sparse_rl' .* would correct twice"):
+        GRPOModule(tiny_model, mode="sparse_rl", compressor=compressor, rollout_correction=RolloutCorrection())
 
 
 def test_an_on_policy_experience_trained_twice_is_refused(tiny_model, tokenizer):
     compressor = SnapKV(0.5, window=2)
     rollout = sample(tiny_model, tokenizer, compressor)
     module = GRPOModule(tiny_model, mode="smd", compressor=compressor)
-    experience = module.make_experience(rollout, torch.arange(8.0), group_size=4)
-    data = RolloutDataModule(
-        key_value_retrieval(4, num_pairs=3), tokenizer, [digit_share], prompts_per_step=2, num_generations=4,
-        num_iterations=2, use_chat_template=False,
-    )  # fmt: skip
-    with pytest.raises(ValueError, match="built this Experience for one on-policy step"):
-        next(data.minibatches(experience))
+    experience = module.make_experience(ScoredRollout(rollout, torch.arange(8.0), num_generations=4))
+    assert experience.old_logprobs is None  # built for one on-policy pass
+    with pytest.raises(ValueError, match="no old_logprobs .* trained at iteration 1"):
+        module.training_step(dataclasses.replace(experience, iteration=1), 0)
     with pytest.raises(ValueError, match=r"minibatch_size=3 must be None or a positive divisor of the 8 rows"):
-        module.make_experience(rollout, torch.arange(8.0), group_size=4, minibatch_size=3)
+        module.make_experience(ScoredRollout(rollout, torch.arange(8.0), num_generations=4, minibatch_size=3))

@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lit_smd.cli import main
-from lit_smd.datamodules import DistillDataModule
+from lit_smd.datamodules import DistillDataModule, ScoredRollout
 from lit_smd.kv import H2O, PrefillThenDecode, SnapKV
 from lit_smd.learner import score
 from lit_smd.lora import LoraSettings, add_lora, has_lora, lora_disabled
@@ -43,7 +43,7 @@ def compressed_rollout(model, tokenizer, *, num_prompts=2, group=2, max_new_toke
     compressor = PrefillThenDecode(SnapKV(12, window=2), H2O(12, window=2))
     return generate(
         model, encoded["input_ids"], encoded["attention_mask"], compressor=compressor, max_new_tokens=max_new_tokens,
-        num_samples=group, generator=torch.Generator().manual_seed(seed),
+        num_generations=group, generator=torch.Generator().manual_seed(seed),
     )  # fmt: skip
 
 
@@ -128,7 +128,9 @@ def test_reference_is_the_base_model_with_adapters_disabled(tmp_path, tokenizer)
     assert module.reference is None and module.reference_is_base
     randomize_adapters(module.policy)
     rollout = compressed_rollout(module.policy, tokenizer)
-    experience = module.make_experience(rollout, torch.arange(len(rollout), dtype=torch.float64), group_size=2)
+    experience = module.make_experience(
+        ScoredRollout(rollout, torch.arange(len(rollout), dtype=torch.float64), num_generations=2)
+    )
 
     base = load_causal_lm(str(path), dtype="float64")  # a second, independently loaded copy of the base weights
     expected = score(base, rollout, shadow=True, temperature=module.temperature)
@@ -168,7 +170,9 @@ def test_grpo_fit_with_lora_trains_only_adapters_and_keeps_one_model_copy(tiny_m
         module = GRPOModule(policy, mode="smd", compressor=H2O(12, window=2), beta=0.1, lora=lora, optimizer=adamw)
         module.configure_model()
         rollout = compressed_rollout(module.policy, tokenizer, max_new_tokens=6)
-        experience = module.make_experience(rollout, torch.tensor([0.0, 1.0, 1.0, 0.0]), group_size=2)
+        experience = module.make_experience(
+            ScoredRollout(rollout, torch.tensor([0.0, 1.0, 1.0, 0.0]), num_generations=2)
+        )
         before = {name: p.detach().clone() for name, p in module.policy.named_parameters()}
         L.Trainer(
             max_steps=2, logger=False, enable_checkpointing=False, enable_progress_bar=False, accelerator="cpu",

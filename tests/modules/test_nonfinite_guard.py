@@ -27,7 +27,7 @@ from torch.utils.data import DataLoader
 
 import lit_smd.modules.distill as distill_module
 import lit_smd.modules.grpo as grpo_module
-from lit_smd.datamodules import DistillDataModule, SupervisedDataModule
+from lit_smd.datamodules import DistillDataModule, ScoredRollout, SupervisedDataModule
 from lit_smd.kv import RecentWindow
 from lit_smd.models import build_tiny_model, build_tiny_tokenizer
 from lit_smd.modules import DistillModule, GRPOModule, SFTModule
@@ -83,10 +83,11 @@ def build(kind: str, tokenizer, **kwargs) -> Case:
         prompts = tokenizer(prompt_rows, padding=True, return_tensors="pt")
         rollout = generate(
             model, prompts["input_ids"], prompts["attention_mask"], compressor=RecentWindow(12, sinks=2),
-            max_new_tokens=6, num_samples=4, eos_token_id=tokenizer.eos_token_id, pad_token_id=tokenizer.pad_token_id,
+            max_new_tokens=6, num_generations=4, eos_token_id=tokenizer.eos_token_id,
+            pad_token_id=tokenizer.pad_token_id,
             generator=torch.Generator().manual_seed(0),
         )  # fmt: skip
-        experience = module.make_experience(rollout, torch.arange(8.0), group_size=4)
+        experience = module.make_experience(ScoredRollout(rollout, torch.arange(8.0), num_generations=4))
         data = DataLoader([experience] * 3, batch_size=None)
         original = grpo_module.policy_loss
 
