@@ -296,3 +296,30 @@ def test_quick_reproduction_runs_the_smallest_cell_end_to_end(repro, tmp_path, t
     stamp = (tmp_path / "cells" / "smd-lam0.1-snapkv-b0.5-seed0.json").stat().st_mtime_ns
     assert smd.main(argv)["rows"] == summary["rows"]  # resumed: nothing rerun
     assert (tmp_path / "cells" / "smd-lam0.1-snapkv-b0.5-seed0.json").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.slow
+def test_chain_calibration_quick_runs_warmups_and_step0_evaluations(tmp_path):
+    """``chain_calibration.py --quick``: the shared retrieval warm-up, one chain warm-up, its dense and SnapKV
+    evaluations at 50% and 70% compression, and the table and JSON written atomically; a rerun trains nothing."""
+    sys.path.insert(0, str(REPRO))
+    try:
+        import chain_calibration
+        import smd_table
+
+        argv = ["--quick", "--out", str(tmp_path)]
+        summary = chain_calibration.main(argv)
+        (row,) = summary["rows"]
+        assert (row["nodes"], row["hops"], row["seeds"]) == (6, 3, [0])
+        assert set(row["compressed"]) == {"snapkv-b0.5", "snapkv-b0.3"}
+        assert all(0.0 <= v <= 1.0 for v in [*row["dense"], *row["untrained"], *row["compressed"]["snapkv-b0.3"]])
+        assert row["first_hop_floor"] == pytest.approx(1 / 3)
+        assert row["independent_eviction"]["b0.5"] == pytest.approx((1 - 0.5**3) / (3 * 0.5))
+        assert (tmp_path / "calibration.md").is_file() and json.loads((tmp_path / "calibration.json").read_text())
+        policy = tmp_path / "n6-h3-w2" / "policies" / "warmup-seed0"
+        stamp = policy.stat().st_mtime_ns
+        assert chain_calibration.main(argv)["rows"] == summary["rows"]  # resumed: nothing retrained or re-evaluated
+        assert policy.stat().st_mtime_ns == stamp
+    finally:
+        sys.path.remove(str(REPRO))
+        smd_table.configure("retrieval")
