@@ -94,13 +94,16 @@ def test_every_kind_of_cell_is_a_valid_cli_command(repro, tmp_path, task):
                 assert type(module.compressor).__name__ == "RecentWindow"
             assert cli.datamodule.dataset == ("multi_hop_chain" if task == "chain" else "key_value_retrieval")
             if task == "chain":
-                assert cli.datamodule.max_new_tokens == 32
+                chain = smd.TASKS["chain"]["eval"]  # the calibrated setting (docs/results/chain/calibration.md)
+                assert cli.datamodule.max_new_tokens == chain["max_new_tokens"] == chain["num_hops"]
+                kwargs = cli.datamodule.dataset_kwargs
+                assert (kwargs["num_hops"], kwargs["num_nodes"]) == (chain["num_hops"], chain["num_nodes"])
         if meta.get("kind") == "distill":
             assert module.prefix_source == meta["prefix"]
             curriculum = [cb for cb in cli.trainer.callbacks if type(cb).__name__ == "EntropyCurriculum"]
             assert bool(curriculum) == meta["cell"].endswith("+curriculum")
             if curriculum and task == "chain":
-                assert curriculum[0].lengths == [8, 16, 32]
+                assert curriculum[0].lengths == [1, 2, smd.TASKS["chain"]["eval"]["max_new_tokens"]]
         assert cli.trainer.max_steps == 3
     assert len(checked) >= 8
 
@@ -286,7 +289,7 @@ def test_quick_reproduction_runs_the_smallest_cell_end_to_end(repro, tmp_path, t
     (row,) = summary["rows"]
     assert (row["mode"], row["lambda"], row["seeds"], row["compression"]) == ("smd", 0.1, [0], "50%")
     cell = json.loads((tmp_path / "cells" / "smd-lam0.1-snapkv-b0.5-seed0.json").read_text())
-    width = 32 if task == "chain" else 2
+    width = smd.TASKS["chain"]["eval"]["max_new_tokens"] if task == "chain" else 2
     assert cell["global_step"] == 2 and {"eval", "eval_dense"} <= cell.keys()
     assert len(cell["eval"]["mismatch_by_position"]) == width and "mismatch_by_position" not in cell["eval_dense"]
     assert cell["eval"]["visible_fraction"] < 1 == cell["eval_dense"]["visible_fraction"]
