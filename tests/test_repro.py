@@ -94,13 +94,16 @@ def test_every_kind_of_cell_is_a_valid_cli_command(repro, tmp_path, task):
                 assert type(module.compressor).__name__ == "RecentWindow"
             assert cli.datamodule.dataset == ("multi_hop_chain" if task == "chain" else "key_value_retrieval")
             if task == "chain":
-                assert cli.datamodule.max_new_tokens == 32
+                chain = smd.TASKS["chain"]["eval"]  # the calibrated setting (docs/results/chain/calibration.md)
+                assert cli.datamodule.max_new_tokens == chain["max_new_tokens"] == chain["num_hops"]
+                kwargs = cli.datamodule.dataset_kwargs
+                assert (kwargs["num_hops"], kwargs["num_nodes"]) == (chain["num_hops"], chain["num_nodes"])
         if meta.get("kind") == "distill":
             assert module.prefix_source == meta["prefix"]
             curriculum = [cb for cb in cli.trainer.callbacks if type(cb).__name__ == "EntropyCurriculum"]
             assert bool(curriculum) == meta["cell"].endswith("+curriculum")
             if curriculum and task == "chain":
-                assert curriculum[0].lengths == [8, 16, 32]
+                assert curriculum[0].lengths == [1, 2, smd.TASKS["chain"]["eval"]["max_new_tokens"]]
         assert cli.trainer.max_steps == 3
     assert len(checked) >= 8
 
@@ -286,7 +289,7 @@ def test_quick_reproduction_runs_the_smallest_cell_end_to_end(repro, tmp_path, t
     (row,) = summary["rows"]
     assert (row["mode"], row["lambda"], row["seeds"], row["compression"]) == ("smd", 0.1, [0], "50%")
     cell = json.loads((tmp_path / "cells" / "smd-lam0.1-snapkv-b0.5-seed0.json").read_text())
-    width = 32 if task == "chain" else 2
+    width = smd.TASKS["chain"]["eval"]["max_new_tokens"] if task == "chain" else 2
     assert cell["global_step"] == 2 and {"eval", "eval_dense"} <= cell.keys()
     assert len(cell["eval"]["mismatch_by_position"]) == width and "mismatch_by_position" not in cell["eval_dense"]
     assert cell["eval"]["visible_fraction"] < 1 == cell["eval_dense"]["visible_fraction"]
@@ -296,3 +299,30 @@ def test_quick_reproduction_runs_the_smallest_cell_end_to_end(repro, tmp_path, t
     stamp = (tmp_path / "cells" / "smd-lam0.1-snapkv-b0.5-seed0.json").stat().st_mtime_ns
     assert smd.main(argv)["rows"] == summary["rows"]  # resumed: nothing rerun
     assert (tmp_path / "cells" / "smd-lam0.1-snapkv-b0.5-seed0.json").stat().st_mtime_ns == stamp
+
+
+@pytest.mark.slow
+def test_chain_calibration_quick_runs_warmups_and_step0_evaluations(tmp_path):
+    """``chain_calibration.py --quick``: the shared retrieval warm-up, one chain warm-up, its dense and SnapKV
+    evaluations at 50% and 70% compression, and the table and JSON written atomically; a rerun trains nothing."""
+    sys.path.insert(0, str(REPRO))
+    try:
+        import chain_calibration
+        import smd_table
+
+        argv = ["--quick", "--out", str(tmp_path)]
+        summary = chain_calibration.main(argv)
+        (row,) = summary["rows"]
+        assert (row["nodes"], row["hops"], row["seeds"]) == (6, 3, [0])
+        assert set(row["compressed"]) == {"snapkv-b0.5", "snapkv-b0.3"}
+        assert all(0.0 <= v <= 1.0 for v in [*row["dense"], *row["untrained"], *row["compressed"]["snapkv-b0.3"]])
+        assert row["first_hop_floor"] == pytest.approx(1 / 3)
+        assert row["independent_eviction"]["b0.5"] == pytest.approx((1 - 0.5**3) / (3 * 0.5))
+        assert (tmp_path / "calibration.md").is_file() and json.loads((tmp_path / "calibration.json").read_text())
+        policy = tmp_path / "n6-h3-w2" / "policies" / "warmup-seed0"
+        stamp = policy.stat().st_mtime_ns
+        assert chain_calibration.main(argv)["rows"] == summary["rows"]  # resumed: nothing retrained or re-evaluated
+        assert policy.stat().st_mtime_ns == stamp
+    finally:
+        sys.path.remove(str(REPRO))
+        smd_table.configure("retrieval")

@@ -2,14 +2,14 @@
 entropy-gated length curriculum, then the same students after dense GRPO (as in the paper) and after SMD-GRPO.
 
 Setup (the paper's comparison at CPU scale)
-    - Task (``--task``, as in `smd_table.py`): ``retrieval`` (two-token answers) or ``chain`` (32-hop answers,
+    - Task (``--task``, as in `smd_table.py`): ``retrieval`` (two-token answers) or ``chain`` (4-hop answers,
       ``configs/distill_chain.yaml``), where exposure bias, length inflation and the curriculum have room to act.
     - Teacher: a wider tiny Qwen3 (hidden 128) given the task's supervised warm-up until its held-out greedy
       accuracy reaches 0.9 (``configs/teacher_sft.yaml``).
     - Students: the task's warm-up policies (hidden 64, one per seed; the same ones `smd_table.py` starts RL from),
       distilled for ``--distill-steps`` steps with ``configs/distill_cpu.yaml`` (exact full-vocabulary KL, 32 prompts
       per step) and the shipped cell presets in ``configs/distill/``. The curriculum cell grows the completion length
-      along ``configs/curriculum.yaml`` (``curriculum_chain.yaml``: 8 -> 16 -> 32 hops); the table reports the length
+      along ``configs/curriculum.yaml`` (``curriculum_chain.yaml``: 1 -> 2 -> 4 hops); the table reports the length
       it reached and the steps at which it advanced.
     - Then RL, twice per distilled student: dense GRPO (the paper's follow-up; accuracy served densely) and SMD-GRPO
       at 50% KV compression, SnapKV then H2O, ``kl_coef`` 0.1 (our extension; accuracy served compressed), each
@@ -21,7 +21,7 @@ Setup (the paper's comparison at CPU scale)
       the same way.
 
 Departures from the paper (arXiv 2605.16826): tiny models trained from scratch on synthetic tasks instead of Qwen3
-0.6B/4B on GSM8K; the curriculum ladders are short (1 -> 2 tokens on retrieval, 8 -> 16 -> 32 on the chain).
+0.6B/4B on GSM8K; the curriculum ladders are short (1 -> 2 tokens on retrieval, 1 -> 2 -> 4 on the chain).
 
 Usage::
 

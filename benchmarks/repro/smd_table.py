@@ -6,9 +6,10 @@ Setup (what the SMD paper's table compares, at CPU scale)
     - Task (``--task``): ``retrieval``, the quick one (the quickstart's compact key-value retrieval: six digit-key /
       two-digit-value pairs, then the queried key; reward 1 when the sampled completion is the value; the second
       answer digit is sampled from the compressed cache), or ``chain``, the long one (`lit_smd.tasks.multi_hop_chain`:
-      32 one-token hops through 40 pairs listed in the prompt, every hop a lookup; partial-credit reward
+      4 one-token hops through 16 pairs listed in the prompt, every hop a lookup; partial-credit reward
       `lit_smd.rewards.chain_hops_reward`), where errors compound over the completion and Sparse-RL's sequence veto
-      has something to act on.
+      has something to act on. The hop and pair counts are calibrated (``chain_calibration.py``,
+      docs/results/chain/calibration.md): at 32 hops over 40 pairs the compressed sampler started at chance.
     - Policy: the quickstart's tiny Qwen3 (2 layers, hidden 64) after a supervised warm-up on the task
       (``configs/sft/quickstart_warmup.yaml``; for the chain that warm-up, then ``configs/chain_sft.yaml`` from it),
       one warm-up per seed (initialisation and sampling seeds vary, the data does not).
@@ -69,8 +70,8 @@ TASKS: dict[str, dict[str, Any]] = {
     "chain": {
         "warmup": [ROOT / "configs/sft/quickstart_warmup.yaml", HERE / "configs/chain_sft.yaml"],
         "rl": [ROOT / "configs/grpo/quickstart_cpu.yaml", HERE / "configs/chain_grpo.yaml"],
-        "eval": {"num_prompts": 128, "num_samples": 4, "task": "chain", "max_new_tokens": 32, "num_hops": 32,
-                 "num_nodes": 40},
+        "eval": {"num_prompts": 128, "num_samples": 4, "task": "chain", "max_new_tokens": 4, "num_hops": 4,
+                 "num_nodes": 16},
     },
 }  # fmt: skip
 """Per task: warm-up configs, RL configs and held-out evaluation (`_evaluate.EvalSettings` fields)."""
