@@ -55,6 +55,8 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--task", choices=sorted(smd_table.TASKS), default="retrieval")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help=f"default {smd_table.SEEDS}")
     parser.add_argument("--jobs", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=None, help="GRPO steps per SMD-table run (default 150)")
+    parser.add_argument("--distill-steps", type=int, default=None, help="distillation steps (default 600)")
     parser.add_argument("--rl-steps", type=int, default=None, help="GRPO steps after each distillation (default 100)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the pipeline end to end")
     args = parser.parse_args(argv)
@@ -62,8 +64,9 @@ def main(argv: list[str] | None = None) -> None:
     shared += ["--seeds", *map(str, args.seeds)] if args.seeds else []
     shared += ["--quick"] if args.quick else []
     start, cpu_start = time.perf_counter(), os.times()
-    smd_table.main(shared)
-    distill_table.main(shared + (["--rl-steps", str(args.rl_steps)] if args.rl_steps else []))
+    smd_table.main(shared + (["--steps", str(args.steps)] if args.steps else []))
+    distill_steps = ["--distill-steps", str(args.distill_steps)] if args.distill_steps else []
+    distill_table.main(shared + distill_steps + (["--rl-steps", str(args.rl_steps)] if args.rl_steps else []))
     wall, cpu_end = time.perf_counter() - start, os.times()
     cpu = (cpu_end.children_user + cpu_end.children_system) - (cpu_start.children_user + cpu_start.children_system)
     if args.publish is None:

@@ -181,6 +181,7 @@ def grpo_argv(out: Path, name: str, policy: Path, seed: int, steps: int, overrid
         "fit", *_configs(TASKS[_TASK["name"]]["rl"]), "--seed_everything", str(seed),
         "--model.init_args.policy", str(policy), "--data.init_args.tokenizer", str(policy),
         "--trainer.max_steps", str(steps), "--trainer.enable_checkpointing", "false", "--trainer.callbacks", "[]",
+        "--trainer.callbacks+=lit_smd.callbacks.MemoryProfiler",
         "--trainer.logger.init_args.save_dir", str(out / "runs"), "--trainer.logger.init_args.name", name,
         "--trainer.logger.init_args.version", "0", *_QUIET, *_RL_EXTRA, *overrides,
     ]  # fmt: skip
@@ -384,6 +385,74 @@ def summarise(
     return header + "\n".join(lines) + "\n", rows
 
 
+EFFICIENCY = (
+    ("rollout s/step", lambda s: _mean_over(s.get("time/generate_s"))),
+    ("learner s/step", lambda s: _mean_over(s.get("time/learner_s"))),
+    ("KV cache MiB", lambda s: _mean_over(s.get("mem/kv_cache_mib"))),
+    ("rollout rise MiB", lambda s: _mean_over(s.get("mem/rollout_rise_mib"))),
+    ("learner rise MiB", lambda s: _mean_over(_step_max(s, "mem/forward_rise_mib", "mem/backward_rise_mib"))),
+    ("peak MiB", lambda s: max((v for _, v in _step_max(s, *(f"mem/{p}_peak_mib" for p in _PHASES))), default=None)),
+)
+"""(column, per-run value from its scalars): the efficiency figures of `efficiency_table`."""
+_PHASES = ("rollout", "forward", "backward", "optimizer")
+
+
+def _step_max(scalars: dict[str, list[list[float]]], *keys: str) -> list[list[float]]:
+    """``[[step, max over keys], ...]`` at the steps where any of ``keys`` was logged."""
+    by_step: dict[float, float] = {}
+    for key in keys:
+        for step, value in scalars.get(key, []):
+            by_step[step] = max(by_step.get(step, value), value)
+    return [[step, value] for step, value in sorted(by_step.items())]
+
+
+def efficiency_table(results: dict[str, dict[str, Any]]) -> tuple[str, list[dict]]:
+    """Rollout and learner time and memory of every RL row against the dense run of the same seed (same invocation).
+
+    Per run: the mean over steps of the sampling time (``time/generate_s``), the training step's time
+    (``time/learner_s``), the rollout's KV-cache size (``mem/kv_cache_mib``), the rollout's memory rise and the learner
+    step's (the larger of the forward and backward rises, `lit_smd.callbacks.MemoryProfiler`), and the run's peak
+    (largest phase peak). Each is given as the mean over seeds and as the seed-paired ratio to dense, mean ± 95% t.
+    """
+    dense = {r["cell"]["meta"]["seed"]: r["scalars"] for r in results.values()
+             if r["cell"]["meta"].get("mode") == "dense"}  # fmt: skip
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for result in results.values():
+        meta = result["cell"]["meta"]
+        if "mode" in meta:
+            groups.setdefault(row_key(meta), []).append(result)
+    columns = " | ".join(f"{name} | × dense" for name, _ in EFFICIENCY)
+    lines = [f"| compression | selection | mode | λ | seeds | {columns} |", "|" + "---|" * (5 + 2 * len(EFFICIENCY))]
+    rows = []
+    for key in sorted(groups, key=lambda k: (k[2] != "dense", -k[0], k[1], k[2], k[3] or 0)):
+        runs = sorted(groups[key], key=lambda r: r["cell"]["meta"]["seed"])
+        budget, selection, mode, lam = key
+        seeds = [r["cell"]["meta"]["seed"] for r in runs]
+        row: dict[str, Any] = {"compression": f"{round((1 - budget) * 100)}%" if mode != "dense" else "0%",
+                               "selection": selection or "-", "mode": mode, "lambda": lam, "seeds": seeds}  # fmt: skip
+        cells = []
+        for name, read in EFFICIENCY:
+            values = [read(r["scalars"]) for r in runs]
+            ratios = []
+            for seed, value in zip(seeds, values, strict=True):
+                base = read(dense[seed]) if seed in dense else None
+                ratios.append(None if value is None or not base else value / base)
+            row[name], row[f"{name} / dense"] = values, ratios
+            cells += [_fmt(values, 3, False), _fmt(ratios, 2)]
+        rows.append(row)
+        lines.append(f"| {row['compression']} | {row['selection']} | {mode} | {'-' if lam is None else lam} "
+                     f"| {len(seeds)} | " + " | ".join(cells) + " |")  # fmt: skip
+    header = (
+        "Efficiency, every RL run against the dense run of the same seed in the same invocation (same machine, two "
+        "runs at a time, one torch thread each): mean over seeds, and the seed-paired ratio to dense, mean ± 95% t. "
+        "Rollout s/step = sampling time per rollout batch (`time/generate_s`); learner s/step = the training step "
+        "(`time/learner_s`, incl. SMD's dense teacher pass); KV cache = the rollout's key/value slot buffers; rises = "
+        "resident memory a phase adds above its start (CPU `VmHWM`, good to ~1 MiB), the learner's the larger of its "
+        "forward and backward; peak = the run's largest phase peak (the process, weights and libraries included).\n\n"
+    )
+    return header + "\n".join(lines) + "\n", rows
+
+
 COMPARISONS = (
     (("smd", DEFAULT_LAMBDA), ("naive", None)),
     (("smd", DEFAULT_LAMBDA), ("sparse_rl", None)),
@@ -540,12 +609,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                        tuple(args.lambdas))  # fmt: skip
     results = run_cells(cells, out, args.jobs)
     table, rows = summarise(results, initial, args.steps)
+    efficiency, efficiency_rows = efficiency_table(results)
+    table += "\n" + efficiency
     found = paired_differences(rows)
     comparisons = comparisons_table(found)
     print(table + "\n" + comparisons)
     atomic_write_text(out / "smd_table.md", table)
     atomic_write_text(out / "smd_comparisons.md", comparisons)
-    summary = {"task": args.task, "rows": rows, "comparisons": found, "initial": initial, "args": vars(args)}
+    summary = {"task": args.task, "rows": rows, "efficiency": efficiency_rows, "comparisons": found,
+               "initial": initial, "args": vars(args)}
     atomic_write_text(out / "smd_table.json", json.dumps(summary, indent=1))
     if results:
         for budget in args.budgets:
