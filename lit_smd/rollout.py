@@ -173,6 +173,22 @@ def sample_tokens(
     return tokens.squeeze(1), logprobs.gather(-1, tokens).squeeze(1)
 
 
+def check_sampling_settings(max_new_tokens: int, temperature: float | None, prefill_batch_size: int) -> None:
+    """Check the settings every sampler of `generate` shares (``temperature`` None: the caller's default).
+
+    Raises:
+        ValueError: ``max_new_tokens`` or ``prefill_batch_size`` not an integer >= 1, ``temperature`` not finite and
+            > 0.
+    """
+    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
+    if temperature is not None and not (temperature > 0 and math.isfinite(temperature)):
+        raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
+    if isinstance(prefill_batch_size, bool) or not isinstance(prefill_batch_size, int) or prefill_batch_size < 1:
+        raise ValueError(f"prefill_batch_size must be an integer >= 1 (prompts per prefill forward), got "
+                         f"{prefill_batch_size!r}")
+
+
 def _check_generate_args(
     model, input_ids, attention_mask, compressor, max_new_tokens, temperature, top_p, top_k, num_generations,
     prefill_batch_size,
@@ -186,19 +202,13 @@ def _check_generate_args(
     if not isinstance(attention_mask, torch.Tensor) or attention_mask.shape != input_ids.shape:
         shape = tuple(attention_mask.shape) if isinstance(attention_mask, torch.Tensor) else type(attention_mask)
         raise ValueError(f"attention_mask must have the shape of input_ids {tuple(input_ids.shape)}, got {shape}")
-    if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if not (temperature > 0 and math.isfinite(temperature)):
-        raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
+    check_sampling_settings(max_new_tokens, temperature, prefill_batch_size)
     if not 0.0 < top_p <= 1.0:
         raise ValueError(f"top_p must be in (0, 1], got {top_p}")
     if top_k < 0:
         raise ValueError(f"top_k must be >= 0 (0 disables it), got {top_k}")
     if num_generations < 1:
         raise ValueError(f"num_generations must be >= 1, got {num_generations}")
-    if isinstance(prefill_batch_size, bool) or not isinstance(prefill_batch_size, int) or prefill_batch_size < 1:
-        raise ValueError(f"prefill_batch_size must be an integer >= 1 (prompts per prefill forward), got "
-                         f"{prefill_batch_size!r}")
     mask = attention_mask.bool()
     if bool((mask.sum(dim=1) == 0).any()):
         raise ValueError("attention_mask has a row with no real token: every prompt needs at least one token")

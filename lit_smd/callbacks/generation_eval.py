@@ -72,7 +72,7 @@ from lit_smd.rewards import (
     qa_f1_reward,
     rouge_l_reward,
 )
-from lit_smd.rollout import generate
+from lit_smd.rollout import check_sampling_settings, generate
 from lit_smd.tasks.chat import ORIGINAL_PROMPT_COLUMN, completion_stop_ids, completions_for_rewards
 
 __all__ = ["GenerationEval", "MetricName"]
@@ -158,14 +158,9 @@ class GenerationEval(Callback):
         self.pass_k = sorted(set(pass_k if pass_k is not None else [1, num_samples]))
         if not self.pass_k or self.pass_k[0] < 1 or self.pass_k[-1] > num_samples:
             raise ValueError(f"pass_k must hold values in [1, num_samples={num_samples}], got {pass_k}")
-        if temperature is not None and not temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {temperature}")
-        if max_new_tokens < 1:
-            raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+        check_sampling_settings(max_new_tokens, temperature, prefill_batch_size)
         if num_text_samples < 0:
             raise ValueError(f"num_text_samples must be >= 0, got {num_text_samples}")
-        if isinstance(prefill_batch_size, bool) or not isinstance(prefill_batch_size, int) or prefill_batch_size < 1:
-            raise ValueError(f"prefill_batch_size must be an integer >= 1, got {prefill_batch_size!r}")
         self.scorer = WeightedRewards({self.metric_name: reward})
         self.num_samples = num_samples
         self.success_threshold = success_threshold
@@ -231,10 +226,6 @@ class GenerationEval(Callback):
         self._start(pl_module)
 
     @override
-    def on_test_epoch_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._start(pl_module)
-
-    @override
     def on_validation_batch_end(
         self,
         trainer: Trainer,
@@ -248,25 +239,14 @@ class GenerationEval(Callback):
             self.evaluate_batch(trainer, pl_module, batch, batch_idx)
 
     @override
-    def on_test_batch_end(
-        self,
-        trainer: Trainer,
-        pl_module: LightningModule,
-        outputs: STEP_OUTPUT,
-        batch: Any,
-        batch_idx: int,
-        dataloader_idx: int = 0,
-    ) -> None:
-        self.evaluate_batch(trainer, pl_module, batch, batch_idx)
-
-    @override
     def on_validation_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if not trainer.sanity_checking:
             self._finish(trainer, pl_module)
 
-    @override
-    def on_test_epoch_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
-        self._finish(trainer, pl_module)
+    # A test loop runs the same evaluation (``trainer.sanity_checking`` is never set there).
+    on_test_epoch_start = on_validation_epoch_start
+    on_test_batch_end = on_validation_batch_end
+    on_test_epoch_end = on_validation_epoch_end
 
     def _start(self, pl_module: LightningModule) -> None:
         for name, metric in self._metrics.items():

@@ -167,13 +167,7 @@ def qa_exact_match_reward(
 def qa_f1_reward(
     prompts: Sequence[str], completions: Sequence[str], answer: Sequence[str | Sequence[str]], **kwargs: Any
 ) -> list[float]:
-    """SQuAD token-F1 reward (HotpotQA).
-
-    Args:
-        prompts: Prompts, unused.
-        completions: Generated answers (strings or conversational completions).
-        answer: Gold answers (a string or a list of acceptable strings) per completion.
-        **kwargs: Other dataset columns and ``completion_ids``, ignored.
+    """SQuAD token-F1 reward (HotpotQA); the arguments are those of `qa_exact_match_reward`.
 
     Returns:
         One reward in [0, 1] per completion.

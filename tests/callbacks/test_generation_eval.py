@@ -177,5 +177,7 @@ def test_misconfiguration(module, data, tiny_model_factory):
         GenerationEval(num_samples=2, pass_k=[1, 4])
     with pytest.raises(ValueError, match="temperature"):
         GenerationEval(temperature=0.0)
-    with pytest.raises(ValueError, match="prefill_batch_size must be an integer >= 1, got 0"):
+    with pytest.raises(ValueError, match="max_new_tokens must be an integer >= 1, got 0"):
+        GenerationEval(max_new_tokens=0)
+    with pytest.raises(ValueError, match=r"prefill_batch_size must be an integer >= 1 \(prompts per prefill forward\)"):
         GenerationEval(prefill_batch_size=0)
