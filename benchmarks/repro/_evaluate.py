@@ -113,7 +113,8 @@ def evaluate_policy(
         ``accuracy`` (mean reward over all sampled completions: avg@n for retrieval, the mean share of leading hops
         right for the chain), ``avg@n`` / ``avg@n_stderr`` (whole answer right, over prompts), ``pass@1`` and
         ``pass@n`` (unbiased), ``greedy_accuracy`` (mean reward of dense-cache argmax decoding), ``entropy`` (sampler,
-        nats per completion token), ``length`` (mean completion tokens), ``visible_fraction`` (share of causally
+        nats per completion token), ``length`` (mean completion tokens), ``truncation_rate`` (share of completions
+        that hit ``max_new_tokens`` before EOS), ``visible_fraction`` (share of causally
         available keys the sampled tokens could see; 1 for a dense cache), and with a compressor ``mismatch_mean``
         and ``mismatch_by_position`` (mean ``|log mu - log pi_dense|`` overall and at each completion position).
     """
@@ -163,6 +164,7 @@ def evaluate_policy(
         "greedy_accuracy": sum(greedy) / len(greedy),
         "entropy": entropy.compute().item(),
         "length": lengths.compute()["mean_length"].item(),
+        "truncation_rate": lengths.compute()["truncation_rate"].item(),
         "visible_fraction": float(sum(visible) / len(visible)) if visible else 1.0,
     }
     if visible:

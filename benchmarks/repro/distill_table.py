@@ -157,6 +157,7 @@ COMPARISONS = (
 """Cell pairs compared (first minus second, paired by seed) on every metric of `COMPARED_METRICS`."""
 COMPARED_METRICS = {
     "accuracy": "acc after distillation", "entropy": "entropy after distillation",
+    "length": "length after distillation",
     "rl_dense_accuracy": "acc after dense GRPO", "rl_dense_gain": "Δ under dense GRPO",
     "rl_smd_accuracy": "acc after SMD-GRPO (compressed)", "rl_smd_gain": "Δ under SMD-GRPO",
 }  # fmt: skip
@@ -193,10 +194,10 @@ def _pass_n(evaluation: dict[str, Any]) -> str:
 def summarise(results: dict[str, dict[str, Any]], seeds: list[int], cells: list[str]) -> tuple[str, list[dict]]:
     """The markdown table (one row per distillation cell, plus the teacher and the warm-up) and its rows."""
     lines = [
-        "| cell | prefixes | KL | acc | pass@1 | pass@n | greedy acc | entropy | length | curriculum: length (advanced "
-        "at step) | fwd KL | rev KL | top-1 agree | after dense GRPO (dense-served) | Δ | after SMD-GRPO (compressed) "
-        "| Δ |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| cell | prefixes | KL | acc | pass@1 | pass@n | greedy acc | entropy | length | hit cap "
+        "| curriculum: length (advanced at step) | fwd KL | rev KL | top-1 agree | after dense GRPO (dense-served) | Δ "
+        "| after SMD-GRPO (compressed) | Δ |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = []
     teacher = results.get("teacher", {}).get("eval")
@@ -204,7 +205,7 @@ def summarise(results: dict[str, dict[str, Any]], seeds: list[int], cells: list[
         lines.append(
             f"| teacher | - | - | {teacher['accuracy']:.3f} | {teacher['pass@1']:.3f} "
             f"| {teacher[_pass_n(teacher)]:.3f} | {teacher['greedy_accuracy']:.3f} | {teacher['entropy']:.3f} "
-            f"| {teacher['length']:.2f} | - | - | - | - | - | - | - | - |"
+            f"| {teacher['length']:.2f} | {_fmt([teacher.get('truncation_rate')])} | - | - | - | - | - | - | - | - |"
         )
     for cell in ["none", *cells]:
         if cell == "none":
@@ -221,7 +222,7 @@ def summarise(results: dict[str, dict[str, Any]], seeds: list[int], cells: list[
         row: dict[str, Any] = {
             "cell": cell, "prefix": prefix, "kl": kl, "seeds": [s for s, _ in runs],
             **{key: [e[key] for e in ev] for key in ("accuracy", "pass@1", "greedy_accuracy", "entropy", "length")},
-            "pass@n": [e[_pass_n(e)] for e in ev],
+            "pass@n": [e[_pass_n(e)] for e in ev], "truncation_rate": [e.get("truncation_rate") for e in ev],
             "forward_kl": [_last(s, "distill/forward_kl") for s in sc],
             "reverse_kl": [_last(s, "distill/reverse_kl") for s in sc],
             "top1": [_last(s, "distill/top1_agreement") for s in sc],
@@ -243,7 +244,8 @@ def summarise(results: dict[str, dict[str, Any]], seeds: list[int], cells: list[
             )
         lines.append(
             f"| {cell} | {prefix} | {kl} | {_fmt(row['accuracy'])} | {_fmt(row['pass@1'])} | {_fmt(row['pass@n'])} "
-            f"| {_fmt(row['greedy_accuracy'])} | {_fmt(row['entropy'])} | {_fmt(row['length'], 2)} | {ladder} "
+            f"| {_fmt(row['greedy_accuracy'])} | {_fmt(row['entropy'])} | {_fmt(row['length'], 2)} "
+            f"| {_fmt(row['truncation_rate'])} | {ladder} "
             f"| {_fmt(row['forward_kl'])} | {_fmt(row['reverse_kl'])} | {_fmt(row['top1'])} "
             f"| {_fmt(row['rl_dense_accuracy'])} | {_fmt(row['rl_dense_gain'])} | {_fmt(row['rl_smd_accuracy'])} "
             f"| {_fmt(row['rl_smd_gain'])} |"
@@ -251,7 +253,8 @@ def summarise(results: dict[str, dict[str, Any]], seeds: list[int], cells: list[
     header = (
         f"Mean over {len(seeds)} seeds ± the half width of the 95% Student-t interval. acc / pass@k / entropy "
         "/ length: held-out, n samples per prompt at temperature 1 with a dense cache (acc: mean partial credit on "
-        "the chain task); curriculum: the length each seed reached and the steps at which it advanced; KL and top-1 "
+        "the chain task); hit cap: share of those completions that reached max_new_tokens without EOS; curriculum: "
+        "the length each seed reached and the steps at which it advanced; KL and top-1 "
         "agreement: last 20% of the distillation steps on the training prefixes. After RL: dense GRPO, served "
         "densely, and SMD-GRPO at 50% KV compression, served with its compressed cache; each gain is over the same "
         "student served the same way before RL.\n\n"
