@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from lit_smd.kv import H2O, PrefillThenDecode, RandomEviction, RecentWindow, SnapKV
-from lit_smd.models import build_tiny_model
+from lit_smd.tiny import build_tiny_model
 
 DTYPES = {"float64": torch.float64, "float32": torch.float32, "bfloat16": torch.bfloat16}
 """Dtype names accepted by the ``--dtype(s)`` flags."""
@@ -168,7 +168,7 @@ def model_config(
     initializer_range: float = 0.02,
     max_position_embeddings: int = 32768,
 ) -> dict[str, Any]:
-    """Keyword arguments of `lit_smd.models.build_tiny_model` for a model of the given shape."""
+    """Keyword arguments of `lit_smd.tiny.build_tiny_model` for a model of the given shape."""
     return {
         "vocab_size": vocab_size,
         "hidden_size": hidden_size,

@@ -307,7 +307,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--new-tokens", type=int, default=None, help="default: 128 on CUDA, 64 on CPU")
     parser.add_argument("--budgets", type=float, nargs="+", default=[0.5, 0.3], help="fractions of the context")
     parser.add_argument("--budget-mode", default="paper", choices=["paper", "fixed"],
-                        help="how a fraction is read (lit_smd.kv.compressors)")
+                        help="how a fraction is read (lit_smd.kv.budget)")
     parser.add_argument("--prefill-batch-size", type=int, default=1, help="prompts per prefill forward (lit_smd)")
     parser.add_argument("--compressors", nargs="+", default=["prefill_then_decode", "recent"])
     parser.add_argument("--window", type=int, default=32)

@@ -50,10 +50,10 @@ from _common import (
 )
 
 from lit_smd.datamodules import DistillDataModule, TeacherCacheDataModule, build_teacher_cache
-from lit_smd.models import build_tiny_model, build_tiny_tokenizer
 from lit_smd.modules import DistillModule
 from lit_smd.rollout import generate
 from lit_smd.tasks import arithmetic
+from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer
 
 VARIANTS = ("cached", "online_score", "online")
 

@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 
 from lit_smd.kv.attention import ensure_attention
+from lit_smd.kv.budget import resolve_budget
 from lit_smd.kv.cache import BudgetedCache
-from lit_smd.kv.compressors import Compressor, SnapKV, resolve_budget
+from lit_smd.kv.compressors import Compressor, SnapKV
 from lit_smd.kv.features import softmax_dtype
 from lit_smd.kv.shadow import ShadowMask
 from lit_smd.losses.head import output_head

@@ -20,7 +20,7 @@ import pytest
 import torch
 from transformers import PreTrainedModel, PreTrainedTokenizerFast
 
-from lit_smd.models import TINY_FAMILIES, ModelFamily, build_tiny_model, build_tiny_tokenizer
+from lit_smd.tiny import TINY_FAMILIES, ModelFamily, build_tiny_model, build_tiny_tokenizer
 
 ModelFactory = Callable[..., PreTrainedModel]
 

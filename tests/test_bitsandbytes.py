@@ -11,8 +11,9 @@ import torch
 
 from lit_smd.cli import main
 from lit_smd.kv import H2O
-from lit_smd.models import load_causal_lm, save_tiny_checkpoint
+from lit_smd.models import load_causal_lm
 from lit_smd.modules import DistillModule, GRPOModule
+from lit_smd.tiny import save_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 # Two steps, no logger or checkpoints; the tests add --trainer.default_root_dir, where the CLI writes config.yaml.

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 
 from lit_smd.cli import main
-from lit_smd.models import save_tiny_checkpoint
+from lit_smd.tiny import save_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 TASK_CONFIGS = sorted((ROOT / "configs/grpo/qwen3-4b").glob("*.yaml"))

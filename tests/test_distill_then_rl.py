@@ -13,8 +13,9 @@ import torch
 
 from lit_smd.cli import main
 from lit_smd.datamodules import tokenizer_fingerprint
-from lit_smd.models import build_tiny_model, build_tiny_tokenizer, load_tokenizer, save_tiny_checkpoint
+from lit_smd.models import load_tokenizer
 from lit_smd.modules import DistillModule
+from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs/distill"
 

@@ -45,9 +45,10 @@ from lit_smd.datamodules import (
     load_teacher_cache,
     teacher_cache_build,
 )
-from lit_smd.models import build_tiny_model, build_tiny_tokenizer, load_causal_lm, load_tokenizer
+from lit_smd.models import load_causal_lm, load_tokenizer
 from lit_smd.modules import SFTModule
 from lit_smd.tasks import arithmetic, key_value_retrieval
+from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
 OURS = re.compile(r"\.lit_smd-[a-z]+-[0-9a-f]{6}-\d+-[0-9a-f]{8}$")  # lit_smd.atomic.temp_name

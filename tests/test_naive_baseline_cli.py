@@ -8,7 +8,7 @@ from pathlib import Path
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
 from lit_smd.cli import main
-from lit_smd.models import save_tiny_checkpoint
+from lit_smd.tiny import save_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 QUICKSTART = ROOT / "configs/grpo/quickstart_cpu.yaml"

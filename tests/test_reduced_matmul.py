@@ -10,8 +10,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from lit_smd.models import build_tiny_model
 from lit_smd.reduced_matmul import addmm_, float32_cpu_linears, linear, mm, slow_reduced_matmul
+from lit_smd.tiny import build_tiny_model
 
 BF16_ULP = 2.0**-7  # relative spacing of bfloat16 values
 

@@ -16,8 +16,9 @@ import torch
 
 from lit_smd.cli import main
 from lit_smd.kv import RecentWindow
-from lit_smd.models import build_tiny_tokenizer, load_causal_lm, load_tokenizer, save_tiny_checkpoint
+from lit_smd.models import load_causal_lm, load_tokenizer
 from lit_smd.rewards import chain_hops_reward, math_answer_reward
+from lit_smd.tiny import build_tiny_tokenizer, save_tiny_checkpoint
 
 REPRO = Path(__file__).resolve().parents[1] / "benchmarks" / "repro"
 

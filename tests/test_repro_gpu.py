@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from lit_smd.cli import main
-from lit_smd.models import save_tiny_checkpoint
+from lit_smd.tiny import save_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 REPRO = ROOT / "benchmarks" / "repro"

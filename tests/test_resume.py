@@ -40,9 +40,9 @@ from lit_smd.datamodules import (
     build_teacher_cache,
 )
 from lit_smd.kv import RecentWindow
-from lit_smd.models import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
 from lit_smd.modules import DistillModule, GRPOModule, SFTModule
 from lit_smd.tasks import arithmetic, key_value_retrieval
+from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 Objects = tuple[L.LightningModule, L.LightningDataModule, list[L.Callback]]

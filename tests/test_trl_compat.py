@@ -18,10 +18,10 @@ import yaml
 
 from lit_smd.cli import main
 from lit_smd.datamodules.rollout import RolloutDataModule
-from lit_smd.models import IM_END_TOKEN, build_tiny_tokenizer, save_tiny_checkpoint
 from lit_smd.modules.grpo import GRPOModule
 from lit_smd.rewards import WeightedRewards, math_answer_reward
 from lit_smd.tasks.chat import completions_for_rewards, render_prompts
+from lit_smd.tiny import IM_END_TOKEN, build_tiny_tokenizer, save_tiny_checkpoint
 
 FIXTURE = Path(__file__).parent / "fixtures" / "trl_conversational.jsonl"
 RECORD = "LIT_SMD_TEST_REWARD_RECORD"

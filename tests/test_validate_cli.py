@@ -15,7 +15,7 @@ import yaml
 
 from lit_smd.callbacks import GenerationEval
 from lit_smd.cli import main
-from lit_smd.models import save_tiny_checkpoint
+from lit_smd.tiny import save_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[1]
 FIXTURES = ROOT / "tests/fixtures"

@@ -124,7 +124,7 @@ def untrained_policy(seed: int) -> tuple[Any, Any]:
     """The warm-up's model at its random initialisation (the policy of ``configs/sft/quickstart_warmup.yaml``)."""
     import yaml
 
-    from lit_smd.models import build_tiny_model, build_tiny_tokenizer
+    from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer
 
     config = yaml.safe_load((ROOT / "configs/sft/quickstart_warmup.yaml").read_text())
     kwargs = dict(config["model"]["init_args"]["policy"]["init_args"])

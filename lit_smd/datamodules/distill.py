@@ -22,10 +22,19 @@ from datasets import Dataset
 from torch import Tensor
 from transformers import PreTrainedTokenizerBase
 
+from lit_smd.datamodules.prompts import (
+    NO_PROBE_PROMPTS,
+    as_tokenizer,
+    check_max_prompt_tokens,
+    check_num_probe_prompts,
+    check_positive_ints,
+    read_prompt_rows,
+    tokenize_prompts,
+)
 from lit_smd.datamodules.resume import ResumableDataLoader, ResumableDataModule
-from lit_smd.models import load_tokenizer, single_token_id
+from lit_smd.models import single_token_id
 from lit_smd.tasks.chat import dataset_is_conversational, end_of_turn_token_id, uses_chat_template
-from lit_smd.tasks.datasets import check_text_column, prepare_prompts, resolve_dataset
+from lit_smd.tasks.datasets import prepare_prompts
 
 __all__ = ["DistillDataModule", "ProbeSource", "PromptBatch", "left_pad"]
 
@@ -121,19 +130,16 @@ class DistillDataModule(ResumableDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        if num_probe_prompts < 0:
-            raise ValueError(f"num_probe_prompts must be >= 0, got {num_probe_prompts}")
-        if max_prompt_tokens is not None and (isinstance(max_prompt_tokens, bool) or max_prompt_tokens < 1):
-            raise ValueError(f"max_prompt_tokens must be an integer >= 1 or None, got {max_prompt_tokens!r}")
+        check_positive_ints({"batch_size": batch_size})
+        check_num_probe_prompts(num_probe_prompts)
+        check_max_prompt_tokens(max_prompt_tokens)
         if not isinstance(dataset, (str, Dataset)):
             raise ValueError(f"dataset must be a datasets.Dataset or a task name, got {type(dataset).__name__}")
         given = (("dataset", dataset), ("tokenizer", tokenizer))
         self.save_hyperparameters(ignore=[name for name, value in given if not isinstance(value, str)])
         self.dataset = dataset
         self.dataset_kwargs = dict(dataset_kwargs or {})
-        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.tokenizer = as_tokenizer(tokenizer)
         self.batch_size = batch_size
         self.max_prompt_tokens = max_prompt_tokens
         self.use_chat_template = use_chat_template
@@ -157,10 +163,7 @@ class DistillDataModule(ResumableDataModule):
         """Build, template, filter and tokenize the prompts (idempotent)."""
         if self.prompts is not None:
             return
-        raw = resolve_dataset(self.dataset, **self.dataset_kwargs)
-        if "prompt" not in raw.column_names:
-            raise ValueError(f"the prompt dataset needs a 'prompt' column, got columns {raw.column_names}")
-        check_text_column(raw, "prompt", "the prompt dataset")
+        raw = read_prompt_rows(self.dataset, self.dataset_kwargs, "the prompt dataset")
         templated = uses_chat_template(self.tokenizer, self.use_chat_template, dataset_is_conversational(raw))
         end_of_turn = end_of_turn_token_id(self.tokenizer) if templated else None
         if end_of_turn is not None:
@@ -168,17 +171,12 @@ class DistillDataModule(ResumableDataModule):
         prepared, too_long = prepare_prompts(
             raw, self.tokenizer, self.max_prompt_tokens, self.system_prompt, self.use_chat_template
         )
-        if too_long and not len(prepared):
-            raise ValueError(
-                f"all {too_long} prompts are longer than max_prompt_tokens={self.max_prompt_tokens} tokens; raise "
-                "max_prompt_tokens (or None to keep every prompt)"
-            )
-        encoded = self.tokenizer(list(prepared["prompt"]), add_special_tokens=not templated)["input_ids"]
-        keep = [index for index, ids in enumerate(encoded) if ids]
-        if too_long or len(keep) < len(encoded):
-            logger.warning("dropped %d over-long and %d empty prompts", too_long, len(encoded) - len(keep))
-        self.prompts = prepared.select(keep) if len(keep) < len(encoded) else prepared
-        self.prompt_ids = [encoded[index] for index in keep]
+        self.prompts, self.prompt_ids = tokenize_prompts(
+            prepared, too_long, self.tokenizer, templated, self.max_prompt_tokens, "or None to keep every prompt"
+        )
+        empty = len(prepared) - len(self.prompts)
+        if too_long or empty:
+            logger.warning("dropped %d over-long and %d empty prompts", too_long, empty)
         if self.num_train_prompts < 1:
             raise ValueError(
                 f"{len(self.prompt_ids)} prompts left after filtering cannot hold out num_probe_prompts="
@@ -206,7 +204,7 @@ class DistillDataModule(ResumableDataModule):
         """The held-out probe prompts (the last ``num_probe_prompts``), for the curriculum's entropy probe."""
         self.setup()
         if self.num_probe_prompts == 0:
-            raise ValueError("the entropy probe needs held-out prompts: set num_probe_prompts >= 1")
+            raise ValueError(NO_PROBE_PROMPTS)
         return self.collate(range(self.num_train_prompts, len(self.prompt_ids)))
 
     def prompt_batches(self, batch_size: int | None = None) -> Iterator[PromptBatch]:

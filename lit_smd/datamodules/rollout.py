@@ -10,9 +10,8 @@ log-probs, metrics) and owns the rest of the step. `ScoredRollout` and the `Roll
 `lit_smd.datamodules.experience`.
 
 On-policy by construction: the train "dataloader" is a `RolloutStream` (`lit_smd.datamodules.stream`), an iterable
-with a length, which
-Lightning does not prefetch, so the rollout of step ``k + 1`` is sampled after the optimizer step of step ``k``.
-Generation runs in the training process (no workers): it needs the policy on its device.
+with a length, which Lightning does not prefetch, so the rollout of step ``k + 1`` is sampled after the optimizer step
+of step ``k``. Generation runs in the training process (no workers): it needs the policy on its device.
 
 Distributed: every rank draws its own prompts (a shared seeded permutation per epoch, split by rank), generates, scores
 and computes advantages for its own groups (a group never spans ranks); all ranks run the same number of steps.
@@ -57,7 +56,6 @@ Handled inputs, each with a clear error or a logged count:
       normally (with ``mask_truncated_completions`` the learner warns that the batch gives no gradient).
 """
 
-import functools
 import logging
 import time
 import warnings
@@ -72,10 +70,18 @@ from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
 from lit_smd.datamodules.experience import RolloutLearner, ScoredRollout, hf_trainer_state, report_phase
+from lit_smd.datamodules.prompts import (
+    as_tokenizer,
+    check_max_prompt_tokens,
+    check_positive_ints,
+    eval_prompt_loader,
+    read_prompt_rows,
+    tokenize_prompts,
+)
 from lit_smd.datamodules.resume import ResumableDataModule
 from lit_smd.datamodules.stream import RolloutStream
 from lit_smd.fsdp import FSDP2Strategy, gathered
-from lit_smd.models import load_tokenizer, single_token_id
+from lit_smd.models import single_token_id
 from lit_smd.rewards.combine import DEFAULT_REWARD_TIMEOUT_S, RewardFn, WeightedRewards
 from lit_smd.rollout import Rollout, generate
 from lit_smd.tasks.chat import (
@@ -85,7 +91,7 @@ from lit_smd.tasks.chat import (
     dataset_is_conversational,
     uses_chat_template,
 )
-from lit_smd.tasks.datasets import check_text_column, prepare_prompts, resolve_dataset
+from lit_smd.tasks.datasets import prepare_prompts
 
 __all__ = ["RolloutDataModule", "require_full_weights"]
 
@@ -171,16 +177,16 @@ class RolloutDataModule(ResumableDataModule):
         prefill_batch_size: int = 1,
     ) -> None:
         super().__init__()
-        for name, value in (
-            ("prompts_per_step", prompts_per_step),
-            ("num_generations", num_generations),
-            ("max_new_tokens", max_new_tokens),
-            ("num_iterations", num_iterations),
-            ("eval_batch_size", eval_batch_size),
-            ("prefill_batch_size", prefill_batch_size),
-        ):
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_positive_ints(
+            {
+                "prompts_per_step": prompts_per_step,
+                "num_generations": num_generations,
+                "max_new_tokens": max_new_tokens,
+                "num_iterations": num_iterations,
+                "eval_batch_size": eval_batch_size,
+                "prefill_batch_size": prefill_batch_size,
+            }
+        )
         rows = prompts_per_step * num_generations
         if minibatch_size is not None and (minibatch_size < 1 or rows % minibatch_size != 0):
             raise ValueError(f"minibatch_size={minibatch_size} must divide prompts_per_step * num_generations = {rows}")
@@ -188,8 +194,7 @@ class RolloutDataModule(ResumableDataModule):
             raise ValueError(f"top_p must be in (0, 1], got {top_p}")
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 0:
             raise ValueError(f"top_k must be an integer >= 0 (0 disables it), got {top_k!r}")
-        if max_prompt_tokens is not None and (isinstance(max_prompt_tokens, bool) or max_prompt_tokens < 1):
-            raise ValueError(f"max_prompt_tokens must be an integer >= 1 or None, got {max_prompt_tokens!r}")
+        check_max_prompt_tokens(max_prompt_tokens)
         if num_generations == 1:
             warnings.warn(
                 "num_generations=1: a group of one completion has no baseline, so every GRPO advantage is 0 and "
@@ -214,7 +219,7 @@ class RolloutDataModule(ResumableDataModule):
         self.save_hyperparameters(ignore=[*objects, "reward_funcs"])
         self.dataset = dataset
         self.dataset_kwargs = dict(dataset_kwargs or {})
-        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.tokenizer = as_tokenizer(tokenizer)
         self.rewards = WeightedRewards(reward_funcs, reward_weights, reward_timeout)
         self.prompts_per_step = prompts_per_step
         self.num_generations = num_generations
@@ -261,31 +266,20 @@ class RolloutDataModule(ResumableDataModule):
             require_full_weights(self.trainer.strategy, "RolloutDataModule (rollouts and evaluation sampling)")
         if self.prompts is not None or stage in ("validate", "test"):
             return
-        raw = resolve_dataset(self.dataset, **self.dataset_kwargs)
-        if "prompt" not in raw.column_names:
-            raise ValueError(f"the prompt dataset needs a 'prompt' column, got columns {raw.column_names}")
-        check_text_column(raw, "prompt", "the prompt dataset")
+        raw = read_prompt_rows(self.dataset, self.dataset_kwargs, "the prompt dataset")
         self.conversational = dataset_is_conversational(raw)
         prepared, too_long = prepare_prompts(
             raw, self.tokenizer, self.max_prompt_tokens, self.system_prompt, self.use_chat_template
         )
-        if too_long and not len(prepared):
-            raise ValueError(
-                f"all {too_long} prompts are longer than max_prompt_tokens={self.max_prompt_tokens} tokens; raise "
-                "max_prompt_tokens (or None for what the policy's context leaves after max_new_tokens)"
-            )
-        encoded = self.tokenizer(list(prepared["prompt"]), add_special_tokens=not self.templated)["input_ids"]
-        keep = [index for index, ids in enumerate(encoded) if len(ids) > 0]
-        empty = len(encoded) - len(keep)
+        hint = "or None for what the policy's context leaves after max_new_tokens"
+        self.prompts, prompt_ids = tokenize_prompts(
+            prepared, too_long, self.tokenizer, self.templated, self.max_prompt_tokens, hint
+        )
+        empty = len(prepared) - len(self.prompts)
         if too_long or empty:
-            logger.warning(
-                "dropped %d prompts longer than max_prompt_tokens=%s and %d empty prompts",
-                too_long,
-                self.max_prompt_tokens,
-                empty,
-            )
-        self.prompts = prepared.select(keep) if empty else prepared
-        self.prompt_lengths = [len(encoded[index]) for index in keep]
+            message = "dropped %d prompts longer than max_prompt_tokens=%s and %d empty prompts"
+            logger.warning(message, too_long, self.max_prompt_tokens, empty)
+        self.prompt_lengths = [len(ids) for ids in prompt_ids]
         self.num_filtered = {"too_long": too_long, "empty": empty}
         if not self.prompts:
             raise ValueError(f"no prompt is left after filtering ({self.num_filtered}); check max_prompt_tokens")
@@ -333,31 +327,16 @@ class RolloutDataModule(ResumableDataModule):
         source, kwargs = self.eval_datasets[split]
         if source is None:
             return []
-        raw = resolve_dataset(source, **kwargs)
-        if "prompt" not in raw.column_names:
-            raise ValueError(f"the {split}_dataset needs a 'prompt' column, got columns {raw.column_names}")
-        check_text_column(raw, "prompt", f"the {split}_dataset")
-        prepared, _ = prepare_prompts(
-            raw, self.tokenizer, self.max_prompt_tokens, self.system_prompt, self.use_chat_template
+        return eval_prompt_loader(
+            source,
+            kwargs,
+            f"{split}_dataset",
+            self.tokenizer,
+            self.max_prompt_tokens,
+            self.system_prompt,
+            self.use_chat_template,
+            self.eval_batch_size,
         )
-        keep = [index for index, prompt in enumerate(prepared["prompt"]) if prompt]
-        prepared = prepared.select(keep) if len(keep) < len(prepared) else prepared
-        if not prepared:
-            raise ValueError(f"no {split}_dataset prompt is left after filtering; check max_prompt_tokens")
-        templated = uses_chat_template(self.tokenizer, self.use_chat_template, dataset_is_conversational(raw))
-        collate = functools.partial(self._collate_prompts, templated=templated)
-        return DataLoader(prepared, batch_size=self.eval_batch_size, shuffle=False, collate_fn=collate)
-
-    def _collate_prompts(self, rows: list[dict[str, Any]], templated: bool) -> dict[str, Any]:
-        batch = {name: [row[name] for row in rows] for name in rows[0]}
-        encoded = self.tokenizer(
-            batch["prompt"],
-            padding=True,
-            padding_side="left",
-            return_tensors="pt",
-            add_special_tokens=not templated,
-        )
-        return {"input_ids": encoded["input_ids"], "attention_mask": encoded["attention_mask"], **batch}
 
     def eligible_indices(self, min_prompt_length: int = 1, max_prompt_length: int | None = None) -> list[int]:
         """Indices of the prompts with at least ``min_prompt_length`` tokens (a compressor's minimum) and at most

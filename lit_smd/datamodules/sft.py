@@ -26,8 +26,8 @@ from torch import Tensor
 from torch.utils.data import DataLoader
 from transformers import PreTrainedTokenizerBase
 
+from lit_smd.datamodules.prompts import as_tokenizer, check_positive_ints
 from lit_smd.datamodules.resume import ResumableDataLoader, ResumableDataModule
-from lit_smd.models import load_tokenizer
 from lit_smd.tasks.datasets import check_text_column, prepare_prompts, resolve_dataset
 
 __all__ = ["IGNORE_INDEX", "SupervisedDataModule"]
@@ -90,9 +90,7 @@ class SupervisedDataModule(ResumableDataModule):
         seed: int = 0,
     ) -> None:
         super().__init__()
-        for name, value in (("batch_size", batch_size), ("max_length", max_length)):
-            if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
-                raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+        check_positive_ints({"batch_size": batch_size, "max_length": max_length}, optional=True)
         if isinstance(num_workers, bool) or not isinstance(num_workers, int) or num_workers < 0:
             raise ValueError(f"num_workers must be an integer >= 0, got {num_workers!r}")
         sources = (("dataset", dataset, dataset_kwargs), ("val_dataset", val_dataset, val_dataset_kwargs))
@@ -107,7 +105,7 @@ class SupervisedDataModule(ResumableDataModule):
         self.save_hyperparameters(ignore=objects)
         self.dataset = dataset
         self.dataset_kwargs = dict(dataset_kwargs or {})
-        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.tokenizer = as_tokenizer(tokenizer)
         self.prompt_column = prompt_column
         self.target_column = target_column
         self.batch_size = batch_size

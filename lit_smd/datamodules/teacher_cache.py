@@ -49,8 +49,8 @@ from transformers import PreTrainedTokenizerBase
 
 from lit_smd.atomic import clean_stale, is_stale
 from lit_smd.datamodules.distill import PromptBatch, left_pad
+from lit_smd.datamodules.prompts import NO_PROBE_PROMPTS, as_tokenizer, check_num_probe_prompts, check_positive_ints
 from lit_smd.datamodules.resume import ResumableDataLoader, ResumableDataModule
-from lit_smd.models import load_tokenizer
 from lit_smd.rollout import Rollout
 
 __all__ = [
@@ -395,13 +395,11 @@ class TeacherCacheDataModule(ResumableDataModule):
         verify_checksums: bool = True,
     ) -> None:
         super().__init__()
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size < 1:
-            raise ValueError(f"batch_size must be an integer >= 1, got {batch_size!r}")
-        if num_probe_prompts < 0:
-            raise ValueError(f"num_probe_prompts must be >= 0, got {num_probe_prompts}")
+        check_positive_ints({"batch_size": batch_size})
+        check_num_probe_prompts(num_probe_prompts)
         self.save_hyperparameters(ignore=[] if isinstance(tokenizer, str) else ["tokenizer"])
         self.path = Path(path)
-        self.tokenizer = load_tokenizer(tokenizer) if isinstance(tokenizer, str) else tokenizer
+        self.tokenizer = as_tokenizer(tokenizer)
         self.batch_size = batch_size
         self.num_probe_prompts = num_probe_prompts
         self.shuffle = shuffle
@@ -474,7 +472,7 @@ class TeacherCacheDataModule(ResumableDataModule):
         """The held-out probe prompts, for the curriculum's entropy probe."""
         self.setup()
         if not self.probe_rows:
-            raise ValueError("the entropy probe needs held-out prompts: set num_probe_prompts >= 1")
+            raise ValueError(NO_PROBE_PROMPTS)
         return self.collate(self.probe_rows).prompts
 
 

@@ -46,6 +46,7 @@ from transformers import PreTrainedModel
 
 from lit_smd.atomic import atomic_write_text, exchange, fsync_dir, fsync_tree, staging_dir, temp_name
 from lit_smd.datamodules.distill import DistillDataModule
+from lit_smd.datamodules.prompts import check_positive_ints
 from lit_smd.datamodules.teacher_cache import (
     FEATURES,
     METADATA_FILE,
@@ -160,9 +161,7 @@ def build_teacher_cache(
     target = Path(output_dir)
     recover_interrupted_build(target)
     _check_target(target, overwrite)
-    for name, value in (("max_new_tokens", max_new_tokens), ("num_samples", num_samples), ("chunk_size", chunk_size)):
-        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-            raise ValueError(f"{name} must be an integer >= 1, got {value!r}")
+    check_positive_ints({"max_new_tokens": max_new_tokens, "num_samples": num_samples, "chunk_size": chunk_size})
     if not (temperature > 0 and math.isfinite(temperature)):
         raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
     if isinstance(teacher, str):

@@ -18,7 +18,7 @@ get ``e = prompt_length`` (the first decode query). A decode query first writes 
 
 Bookkeeping. How many keys a sequence holds after each step does not depend on the layer, the head or the
 attention numerics (one key in per step, at most one out), so the cache derives it from the budget schedule
-(`lit_smd.kv.compressors.budget_at`) once per step: which rows must evict, and (host side) whether any row must, so
+(`lit_smd.kv.budget.budget_at`) once per step: which rows must evict, and (host side) whether any row must, so
 a step where no row is over budget skips the policy entirely. Occupied slots always form a prefix
 ``[0, kept)`` plus at most one hole, the slot of the key evicted in the previous step; the next key goes into that
 hole, or at the end. Per step, layer and row, the work is a constant number of ops over the ``capacity`` slots
@@ -38,7 +38,8 @@ from dataclasses import dataclass
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from lit_smd.kv.compressors import Compressor, DecodeState, budget_at, resolve_budget
+from lit_smd.kv.budget import budget_at, resolve_budget
+from lit_smd.kv.compressors import Compressor, DecodeState
 from lit_smd.kv.features import AttentionFeatures, normalise
 from lit_smd.kv.features import softmax_dtype as _softmax_dtype
 from lit_smd.kv.prefill import PrefillContext

@@ -37,153 +37,42 @@ Departures from the papers, all deliberate:
   ``budget + 1`` keys (itself included) and a key dropped at the end of step ``s`` can no longer be seen
   from position ``s + 1`` on.
 
-Budgets. ``budget`` is either an absolute token count (``int``: at most that many keys per layer and KV head, at
-every step) or a fraction ``r`` of the context (``float`` in (0, 1]), read according to ``budget_mode``:
-
-* ``"paper"`` (default, the papers' meaning; SMD's reference compresses the prompt to ``r * P``): the prefill keeps
-  ``floor(r * P)`` of a prompt's ``P`` keys, and after decode step ``t`` at most ``floor(r * (P + t))`` of the
-  ``P + t`` keys seen so far stay in the cache (it grows by one key about every ``1 / r`` steps).
-* ``"fixed"``: a constant ``floor(r * (P + max_new_tokens))`` keys, the share of the keys that a dense cache would
-  hold at the end of the rollout (short rollouts may then evict nothing).
-
-An ``int`` budget ignores ``budget_mode``. Pads are not counted. A budget below the policy's minimum (its protected
-keys) is an error, raised before any model work; in ``"paper"`` mode this makes prompts shorter than
-``min_prompt_length`` invalid (the rollout DataModule filters them).
+Budgets (an absolute key count, or a fraction of the context read according to ``budget_mode``) and their
+arithmetic are in `lit_smd.kv.budget`.
 """
 
 from __future__ import annotations
 
-import math
 from dataclasses import KW_ONLY, dataclass
 from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, runtime_checkable
 
 import torch
 import torch.nn.functional as F
 
+from lit_smd.kv.budget import BudgetMode, check_budget, shortest_prompt
+
 if TYPE_CHECKING:
     from lit_smd.kv.prefill import PrefillContext
 
 __all__ = [
-    "BUDGET_MODES",
     "COMPRESSORS",
     "H2O",
     "BaseCompressor",
-    "BudgetMode",
     "Compressor",
     "DecodeState",
     "PrefillThenDecode",
     "RandomEviction",
     "RecentWindow",
     "SnapKV",
-    "budget_at",
-    "resolve_budget",
 ]
 
 INF = float("inf")
-
-
-BudgetMode = Literal["paper", "fixed"]
-"""How a fractional budget is read: see the module docstring."""
-
-BUDGET_MODES = ("paper", "fixed")
-
-
-def _check_budget(budget: int | float, budget_mode: str, minimum: int, owner: str) -> None:
-    if isinstance(budget, bool) or not isinstance(budget, (int, float)):
-        raise ValueError(f"{owner}.budget must be an int token count or a float fraction, got {budget!r}")
-    if isinstance(budget, float):
-        if not 0.0 < budget <= 1.0 or math.isnan(budget):
-            raise ValueError(f"{owner}.budget as a fraction must be in (0, 1], got {budget}")
-    elif budget < minimum:
-        raise ValueError(
-            f"{owner}.budget={budget} is smaller than the keys the policy always keeps; "
-            f"it must be >= {minimum} (window + sinks)"
-        )
-    if budget_mode not in BUDGET_MODES:
-        raise ValueError(f"{owner}.budget_mode must be one of {BUDGET_MODES}, got {budget_mode!r}")
 
 
 def _check_nonnegative(owner: str, **fields: int) -> None:
     for name, value in fields.items():
         if isinstance(value, bool) or not isinstance(value, int) or value < 0:
             raise ValueError(f"{owner}.{name} must be an integer >= 0, got {value!r}")
-
-
-def _shortest_prompt(budget: int | float, budget_mode: str, minimum: int) -> int:
-    """Shortest prompt whose ``"paper"``-mode prefill budget ``floor(budget * P)`` reaches ``minimum`` (else 1)."""
-    if not isinstance(budget, float) or budget_mode != "paper":
-        return 1
-    length = max(1, math.ceil(minimum / budget))  # then correct for rounding, with the arithmetic the cache uses
-    while math.floor(budget * length) < minimum:
-        length += 1
-    while length > 1 and math.floor(budget * (length - 1)) >= minimum:
-        length -= 1
-    return length
-
-
-def budget_at(
-    budget: int | float, budget_mode: str, prompt_lengths: torch.Tensor, max_new_tokens: int, decoded: int
-) -> torch.Tensor:
-    """Keys each sequence may keep once ``decoded`` decode keys were added to its prompt (``0`` = after the prefill).
-
-    Args:
-        budget: Absolute token count, or a fraction (see the module docstring).
-        budget_mode: ``"paper"`` or ``"fixed"`` (ignored for an ``int`` budget).
-        prompt_lengths: Real (unpadded) prompt lengths ``[B]``.
-        max_new_tokens: Generation length of the rollout.
-        decoded: Decode steps so far.
-
-    Returns:
-        Long tensor ``[B]`` on the device of ``prompt_lengths``.
-    """
-    if not isinstance(budget, float):
-        return torch.full_like(prompt_lengths, int(budget))
-    seen = prompt_lengths.double() + (decoded if budget_mode == "paper" else max_new_tokens)
-    return torch.floor(budget * seen).long()
-
-
-def resolve_budget(
-    budget: int | float,
-    prompt_lengths: torch.Tensor,
-    max_new_tokens: int,
-    minimum: int,
-    owner: str = "compressor",
-    budget_mode: str = "paper",
-) -> torch.Tensor:
-    """Per-sequence budget after the prefill, in keys per layer and KV head, checked against the policy's minimum.
-
-    Budgets never shrink while decoding, so this is the smallest budget of the rollout.
-
-    Args:
-        budget: Absolute token count, or a fraction (see the module docstring).
-        prompt_lengths: Real (unpadded) prompt lengths, shape ``[B]``.
-        max_new_tokens: Generation length of the rollout.
-        minimum: Smallest valid budget for the policy.
-        owner: Name used in error messages.
-        budget_mode: ``"paper"`` or ``"fixed"``.
-
-    Returns:
-        Long tensor ``[B]``.
-
-    Raises:
-        ValueError: A fractional budget resolves below ``minimum`` for some sequence.
-    """
-    resolved = budget_at(budget, budget_mode, prompt_lengths, max_new_tokens, 0)
-    if isinstance(budget, float) and bool((resolved < minimum).any()):
-        shortest = int(prompt_lengths.min())
-        if budget_mode == "paper":
-            raise ValueError(
-                f"{owner}.budget={budget} (budget_mode='paper') keeps {int(resolved.min())} keys of a prompt of "
-                f"{shortest} tokens, below the minimum of {minimum} (window + sinks); prompts need at least "
-                f"{_shortest_prompt(budget, budget_mode, minimum)} tokens: filter shorter ones, or use a larger "
-                "fraction, smaller window/sinks, or an absolute budget"
-            )
-        raise ValueError(
-            f"{owner}.budget={budget} resolves to {int(resolved.min())} keys for a prompt of {shortest} tokens "
-            f"with max_new_tokens={max_new_tokens}, below the minimum of {minimum} (window + sinks); "
-            "use a larger fraction or an absolute budget"
-        )
-    return resolved
 
 
 def _protect(scores: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor, sinks: int, window: int):
@@ -248,10 +137,10 @@ class BaseCompressor:
     the ``sinks`` leading ones and the ``window`` most recent ones; a budget must hold them (`min_budget`).
 
     Args:
-        budget: Keys kept per layer and KV head (int), or a fraction (float in (0, 1]; see the module docstring).
+        budget: Keys kept per layer and KV head (int), or a fraction (float in (0, 1]; see `lit_smd.kv.budget`).
         window: Most recent keys always kept (the current one included).
         sinks: Leading tokens always kept.
-        budget_mode: How a fraction is read: ``"paper"`` or ``"fixed"`` (see the module docstring).
+        budget_mode: How a fraction is read: ``"paper"`` or ``"fixed"`` (see `lit_smd.kv.budget`).
     """
 
     budget: int | float
@@ -267,7 +156,7 @@ class BaseCompressor:
         owner = type(self).__name__
         _check_nonnegative(owner, window=self.window, sinks=self.sinks)
         self._check_fields()
-        _check_budget(self.budget, self.budget_mode, self.min_budget, owner)
+        check_budget(self.budget, self.budget_mode, self.min_budget, owner)
 
     def _check_fields(self) -> None:
         """Check the subclass's own fields (after ``window`` and ``sinks``, before the budget); raise ValueError."""
@@ -280,7 +169,7 @@ class BaseCompressor:
     @property
     def min_prompt_length(self) -> int:
         """In paper mode, the shortest prompt whose budget reaches `min_budget` (else 1)."""
-        return _shortest_prompt(self.budget, self.budget_mode, self.min_budget)
+        return shortest_prompt(self.budget, self.budget_mode, self.min_budget)
 
 
 @dataclass(kw_only=True)
@@ -293,7 +182,7 @@ class SnapKV(BaseCompressor):
         window: Observation window: the last ``window`` prompt queries vote, and are always kept.
         sinks: Leading prompt tokens always kept (0 in the paper; 4 protects attention sinks on real models).
         budget_mode: How a fraction is read: ``"paper"`` (``floor(r * P)`` prompt keys) or ``"fixed"``
-            (``floor(r * (P + max_new_tokens))``); see the module docstring.
+            (``floor(r * (P + max_new_tokens))``); see `lit_smd.kv.budget`.
         kernel: Size of the 1-D pooling kernel along the key axis (odd).
         pooling: ``"avg"`` (the paper's default) or ``"max"``.
     """
@@ -345,7 +234,7 @@ class H2O(BaseCompressor):
         window: Most recent keys always kept (the current one included).
         sinks: Leading tokens always kept (0 in the paper).
         budget_mode: How a fraction is read: ``"paper"`` (``floor(r * (P + t))``) or ``"fixed"``
-            (``floor(r * (P + max_new_tokens))``); see the module docstring.
+            (``floor(r * (P + max_new_tokens))``); see `lit_smd.kv.budget`.
         normalize: Divide each key's accumulated attention by the number of queries that saw it (kvpress'
             ObservedAttention) instead of the paper's raw sums, which favour old keys.
     """
@@ -378,7 +267,7 @@ class RecentWindow(BaseCompressor):
     Args:
         budget: Keys kept per layer and KV head (int), or a fraction (float in (0, 1]) of the keys seen so far.
         sinks: Leading tokens always kept (4 in the paper).
-        budget_mode: How a fraction is read (``"paper"`` or ``"fixed"``; see the module docstring).
+        budget_mode: How a fraction is read (``"paper"`` or ``"fixed"``; see `lit_smd.kv.budget`).
     """
 
     sinks: int = 4
@@ -407,7 +296,7 @@ class RandomEviction(BaseCompressor):
         budget: Keys kept per layer and KV head (int), or a fraction (float in (0, 1]) of the keys seen so far.
         window: Most recent keys always kept (the current one included).
         sinks: Leading tokens always kept.
-        budget_mode: How a fraction is read (``"paper"`` or ``"fixed"``; see the module docstring).
+        budget_mode: How a fraction is read (``"paper"`` or ``"fixed"``; see `lit_smd.kv.budget`).
     """
 
     sinks: int = 4

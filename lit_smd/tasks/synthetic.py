@@ -132,7 +132,7 @@ def multi_hop_chain(size: int, num_hops: int = 32, num_nodes: int = 40, seed: in
     completion itself, every hop needs the prompt, and the pairs the answer needs are spread uniformly over it.
 
     Sizes: the prompt is ``3 * num_nodes + 1`` characters, the answer ``num_hops``; with a character-level tokenizer
-    (`lit_smd.models.build_tiny_tokenizer`) characters are tokens. ``num_hops`` is the curriculum's length knob; a
+    (`lit_smd.tiny.build_tiny_tokenizer`) characters are tokens. ``num_hops`` is the curriculum's length knob; a
     row's answer for fewer hops is a prefix of its answer for more (same ``seed``, ``num_nodes`` and ``size``), so
     only the length changes along a ladder.
 

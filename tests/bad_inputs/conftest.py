@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedModel
 
-from lit_smd.models import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
+from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
 
 
 def _tree_digest(path: Path) -> dict[str, str]:

@@ -13,9 +13,9 @@ import pytest
 from lit_smd.cli import main
 from lit_smd.datamodules import DistillDataModule, TeacherCacheDataModule, TeacherCacheError, build_teacher_cache
 from lit_smd.datamodules.teacher_cache import file_sha256
-from lit_smd.models import build_tiny_model, build_tiny_tokenizer
 from lit_smd.modules import DistillModule
 from lit_smd.tasks import arithmetic
+from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer
 
 TOP_K = 4
 

@@ -19,13 +19,13 @@ def sft_config(tmp_path_factory: pytest.TempPathFactory) -> Path:
         "trainer": {"accelerator": "cpu", "logger": False, "enable_progress_bar": False, "max_steps": 1},
         "model": {
             "class_path": "lit_smd.modules.SFTModule",
-            "init_args": {"policy": {"class_path": "lit_smd.models.build_tiny_model", "init_args": {
-                "family": "qwen3", "tokenizer": {"class_path": "lit_smd.models.build_tiny_tokenizer"}}}},
+            "init_args": {"policy": {"class_path": "lit_smd.tiny.build_tiny_model", "init_args": {
+                "family": "qwen3", "tokenizer": {"class_path": "lit_smd.tiny.build_tiny_tokenizer"}}}},
         },
         "data": {
             "class_path": "lit_smd.datamodules.SupervisedDataModule",
             "init_args": {"dataset": "arithmetic", "dataset_kwargs": {"size": 8}, "batch_size": 4,
-                          "tokenizer": {"class_path": "lit_smd.models.build_tiny_tokenizer"}},
+                          "tokenizer": {"class_path": "lit_smd.tiny.build_tiny_tokenizer"}},
         },
     }  # fmt: skip
     path = tmp_path_factory.mktemp("config") / "sft.yaml"

@@ -17,7 +17,7 @@ import yaml
 
 from lit_smd.cli import main
 from lit_smd.cli_guards import ConfigExpansionError, check_yaml_expansion
-from lit_smd.models import save_tiny_checkpoint
+from lit_smd.tiny import save_tiny_checkpoint
 
 ROOT = Path(__file__).resolve().parents[2]
 QUICKSTART = ROOT / "configs/grpo/quickstart_cpu.yaml"

@@ -21,9 +21,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 from lit_smd.datamodules import DistillDataModule, RolloutDataModule, RolloutStream, SupervisedDataModule
 from lit_smd.kv import SnapKV
-from lit_smd.models import build_tiny_model, build_tiny_tokenizer
 from lit_smd.modules import GRPOModule
 from lit_smd.rewards import WeightedRewards
+from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer
 
 NAN = math.nan
 PROMPTS = Dataset.from_dict({"prompt": ["1 + 2 =", "4 + 56 =", "7 + 8 ="], "answer": ["3", "60", "15"]})

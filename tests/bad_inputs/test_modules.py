@@ -18,15 +18,10 @@ from datasets import Dataset
 
 from lit_smd.datamodules import DistillDataModule, RolloutDataModule, ScoredRollout, SupervisedDataModule
 from lit_smd.kv import SnapKV
-from lit_smd.models import (
-    build_tiny_model,
-    build_tiny_tokenizer,
-    load_causal_lm,
-    load_tokenizer,
-    save_tiny_checkpoint,
-)
+from lit_smd.models import load_causal_lm, load_tokenizer
 from lit_smd.modules import DistillModule, GRPOModule, SFTModule
 from lit_smd.rollout import generate
+from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
 
 NAN, INF = math.nan, math.inf
 SNAPKV = SnapKV(0.5, window=2)

@@ -9,9 +9,9 @@ from torch.utils.data import DataLoader
 
 from lit_smd.callbacks import EntropyCurriculum, LengthCurriculumTarget, ProbeStats
 from lit_smd.datamodules import DistillDataModule
-from lit_smd.models import build_tiny_model
 from lit_smd.modules import DistillModule
 from lit_smd.tasks import arithmetic
+from lit_smd.tiny import build_tiny_model
 
 LADDER = [4, 8, 16, 32]
 

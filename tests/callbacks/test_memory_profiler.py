@@ -20,9 +20,9 @@ from lit_smd.callbacks import GenerationEval, MemoryProfiler
 from lit_smd.callbacks import memory_profiler as memory_profiler_module
 from lit_smd.datamodules import RolloutDataModule
 from lit_smd.kv import RecentWindow
-from lit_smd.models import build_tiny_model, build_tiny_tokenizer
 from lit_smd.modules import GRPOModule
 from lit_smd.tasks import arithmetic, key_value_retrieval
+from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer
 
 MIB = 2**20
 PROMPTS_PER_STEP, GROUP, BUDGET = 2, 4, 12

@@ -12,8 +12,8 @@ from datasets import Dataset
 
 from lit_smd.callbacks import StopOnSignal, StopRequested
 from lit_smd.datamodules import RolloutDataModule
-from lit_smd.models import build_tiny_model
 from lit_smd.modules import GRPOModule
+from lit_smd.tiny import build_tiny_model
 
 PROMPTS = Dataset.from_dict({"prompt": [f"{a} + {b} =" for a in range(4) for b in range(3)]})
 MAX_NEW_TOKENS = 6

@@ -12,9 +12,9 @@ import torch
 
 from lit_smd.datamodules.rollout import RolloutDataModule
 from lit_smd.kv import RecentWindow
-from lit_smd.models import build_tiny_model, build_tiny_tokenizer
 from lit_smd.modules.grpo import GRPOModule
 from lit_smd.tasks import key_value_retrieval
+from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer
 
 
 def digit_share(prompts, completions, **kwargs):

@@ -9,9 +9,9 @@ from lit_smd.datamodules import RolloutDataModule, RolloutStream
 from lit_smd.datamodules.limits import context_length, rollout_cache_bytes, rollout_length_limit
 from lit_smd.kv import SnapKV
 from lit_smd.kv.cache import BudgetedCache
-from lit_smd.models import build_tiny_model, tiny_config
 from lit_smd.modules import GRPOModule
 from lit_smd.rollout import prefill
+from lit_smd.tiny import build_tiny_model, tiny_config
 
 
 def zero_reward(prompts, completions, **kwargs):

@@ -14,10 +14,10 @@ from lit_smd.datamodules.experience import ScoredRollout
 from lit_smd.datamodules.rollout import RolloutDataModule
 from lit_smd.datamodules.stream import RolloutStream
 from lit_smd.kv import RecentWindow, SnapKV
-from lit_smd.models import save_tiny_checkpoint
 from lit_smd.modules.grpo import GRPOModule
 from lit_smd.rollout import Rollout
 from lit_smd.tasks import key_value_retrieval
+from lit_smd.tiny import save_tiny_checkpoint
 
 
 def digit_share(prompts, completions, **kwargs):

@@ -25,9 +25,9 @@ from lit_smd.datamodules import (
     teacher_topk_logprobs,
     tokenizer_fingerprint,
 )
-from lit_smd.models import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
 from lit_smd.modules import DistillModule
 from lit_smd.tasks import arithmetic
+from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
 
 TOP_K = 8
 MAX_NEW_TOKENS = 8

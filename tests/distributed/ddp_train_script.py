@@ -24,11 +24,11 @@ from lit_smd.datamodules.distill import DistillDataModule  # noqa: E402
 from lit_smd.datamodules.experience import Experience, ScoredRollout  # noqa: E402
 from lit_smd.datamodules.rollout import RolloutDataModule  # noqa: E402
 from lit_smd.kv import RecentWindow  # noqa: E402
-from lit_smd.models import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 from lit_smd.modules.distill import DistillModule  # noqa: E402
 from lit_smd.modules.grpo import GRPOModule  # noqa: E402
 from lit_smd.rollout import Rollout  # noqa: E402
 from lit_smd.tasks import key_value_retrieval  # noqa: E402
+from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer  # noqa: E402
 
 WORLD_SIZE = 2
 STEPS = 2

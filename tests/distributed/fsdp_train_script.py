@@ -41,9 +41,9 @@ from lit_smd.datamodules import (  # noqa: E402
 )
 from lit_smd.fsdp import FSDP2Strategy  # noqa: E402
 from lit_smd.kv import RecentWindow  # noqa: E402
-from lit_smd.models import build_tiny_tokenizer  # noqa: E402
 from lit_smd.modules import GRPOModule, SFTModule  # noqa: E402
 from lit_smd.tasks import key_value_retrieval  # noqa: E402
+from lit_smd.tiny import build_tiny_tokenizer  # noqa: E402
 
 WORLD_SIZE = 2
 STEPS = 3

@@ -19,7 +19,7 @@ from typing import Any
 import pytest
 import torch
 
-from lit_smd.models import build_tiny_tokenizer
+from lit_smd.tiny import build_tiny_tokenizer
 
 pytestmark = pytest.mark.distributed
 

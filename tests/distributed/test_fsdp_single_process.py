@@ -23,9 +23,10 @@ from lit_smd.datamodules import DistillDataModule, RolloutDataModule, Supervised
 from lit_smd.fsdp import FSDP2Strategy, shard_model
 from lit_smd.kv import RecentWindow
 from lit_smd.lora import LoraSettings, add_lora
-from lit_smd.models import build_tiny_model, load_causal_lm
+from lit_smd.models import load_causal_lm
 from lit_smd.modules import DistillModule, GRPOModule, SFTModule
 from lit_smd.tasks import key_value_retrieval
+from lit_smd.tiny import build_tiny_model
 
 pytestmark = [pytest.mark.distributed, pytest.mark.filterwarnings("ignore:.*(sanity|num_workers|tensorboardX).*")]
 

@@ -20,10 +20,10 @@ from lit_smd.datamodules import DistillDataModule, RolloutDataModule
 from lit_smd.datamodules.rollout import require_full_weights
 from lit_smd.fsdp import FSDP2Strategy
 from lit_smd.kv import RecentWindow
-from lit_smd.models import save_tiny_checkpoint
 from lit_smd.modules import DistillModule, GRPOModule
 from lit_smd.rewards import math_answer_reward
 from lit_smd.tasks import key_value_retrieval
+from lit_smd.tiny import save_tiny_checkpoint
 
 pytestmark = pytest.mark.distributed
 

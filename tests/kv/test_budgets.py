@@ -5,7 +5,7 @@ Replay exactness in every budget mode is in test_shadow_replay.py.
 Kept counts are read back from the shadow mask: after decode step ``t`` (the query at logical position
 ``P + t - 1``), a row holds the keys ``j <= P + t - 1`` with ``evict_steps[j] > P + t``; ``t = 0`` is the state
 after the prefill. Expected counts are written out by hand from the module docstring of
-`lit_smd.kv.compressors`.
+`lit_smd.kv.budget`.
 """
 
 import warnings

@@ -6,7 +6,8 @@ import pytest
 import torch
 
 from lit_smd.kv import COMPRESSORS, H2O, PrefillThenDecode, RandomEviction, RecentWindow, SnapKV
-from lit_smd.kv.compressors import DecodeState, budget_at, resolve_budget
+from lit_smd.kv.budget import budget_at, resolve_budget
+from lit_smd.kv.compressors import DecodeState
 
 from .conftest import make_compressor
 

@@ -16,10 +16,10 @@ from lit_smd.cli import main
 from lit_smd.datamodules import DistillDataModule
 from lit_smd.learner import score
 from lit_smd.losses.kl import token_kl
-from lit_smd.models import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
 from lit_smd.modules import DistillModule
 from lit_smd.rollout import generate
 from lit_smd.tasks import arithmetic
+from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_checkpoint
 
 CONFIGS = Path(__file__).resolve().parents[2] / "configs/distill"
 CELLS = ("teacher-forward", "teacher-reverse", "student-forward", "student-reverse", "mix-0.8-0.2")

@@ -15,10 +15,10 @@ from lit_smd.kv import RecentWindow, SnapKV
 from lit_smd.learner import learner_hidden_states, score
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.losses.sparse_rl import sparse_rl_correction
-from lit_smd.models import save_tiny_checkpoint
 from lit_smd.modules.grpo import GRPOModule
 from lit_smd.rollout import Rollout, generate
 from lit_smd.tasks import key_value_retrieval
+from lit_smd.tiny import save_tiny_checkpoint
 
 MODES = ("dense", "naive", "sparse_rl", "smd")
 

@@ -20,9 +20,9 @@ from lit_smd.kv import H2O, PrefillThenDecode, RecentWindow, SnapKV
 from lit_smd.learner import score
 from lit_smd.losses.grpo import policy_loss
 from lit_smd.losses.rollout_correction import RolloutCorrection
-from lit_smd.models import build_tiny_model, build_tiny_tokenizer
 from lit_smd.modules.grpo import GRPOModule
 from lit_smd.tasks import key_value_retrieval
+from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer
 
 from .test_grpo_module import digit_share, loader, make_trainer, sample
 

@@ -14,9 +14,9 @@ from lit_smd.datamodules import (
     SupervisedDataModule,
     TeacherCacheDataModule,
 )
-from lit_smd.models import build_tiny_model
 from lit_smd.modules import DistillModule, GRPOModule, SFTModule
 from lit_smd.tasks import arithmetic
+from lit_smd.tiny import build_tiny_model
 
 PAIRS = [
     (DistillModule, DistillDataModule),

@@ -15,10 +15,11 @@ from lit_smd.datamodules import DistillDataModule, ScoredRollout
 from lit_smd.kv import H2O, PrefillThenDecode, SnapKV
 from lit_smd.learner import score
 from lit_smd.lora import LoraSettings, add_lora, has_lora, lora_disabled
-from lit_smd.models import build_tiny_model, load_causal_lm, save_tiny_checkpoint
+from lit_smd.models import load_causal_lm
 from lit_smd.modules import DistillModule, GRPOModule
 from lit_smd.rollout import Rollout, generate
 from lit_smd.tasks import arithmetic, key_value_retrieval
+from lit_smd.tiny import build_tiny_model, save_tiny_checkpoint
 
 LORA = LoraSettings(r=4, alpha=8.0)
 CONFIGS = Path(__file__).resolve().parents[2] / "configs"

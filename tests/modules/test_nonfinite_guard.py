@@ -29,11 +29,11 @@ import lit_smd.modules.distill as distill_module
 import lit_smd.modules.grpo as grpo_module
 from lit_smd.datamodules import DistillDataModule, ScoredRollout, SupervisedDataModule
 from lit_smd.kv import RecentWindow
-from lit_smd.models import build_tiny_model, build_tiny_tokenizer
 from lit_smd.modules import DistillModule, GRPOModule, SFTModule
 from lit_smd.modules._common import NonFiniteError
 from lit_smd.rollout import generate
 from lit_smd.tasks import arithmetic, key_value_retrieval
+from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer
 
 KINDS = ("sft", "grpo", "distill")
 POISONED_STEP = 1  # 0-based: the second of three optimizer steps

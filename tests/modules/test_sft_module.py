@@ -7,9 +7,10 @@ import torch
 import torch.nn.functional as F
 
 from lit_smd.datamodules import SupervisedDataModule
-from lit_smd.models import load_causal_lm, load_tokenizer, save_tiny_checkpoint
+from lit_smd.models import load_causal_lm, load_tokenizer
 from lit_smd.modules import SFTModule
 from lit_smd.tasks import key_value_retrieval
+from lit_smd.tiny import save_tiny_checkpoint
 
 
 def retrieval_data(tokenizer, size: int = 32, **kwargs) -> SupervisedDataModule:

@@ -3,7 +3,6 @@
 import pytest
 from datasets import Dataset
 
-from lit_smd.models import IM_END_TOKEN, build_tiny_tokenizer
 from lit_smd.tasks import prepare_prompts
 from lit_smd.tasks.chat import (
     completion_stop_ids,
@@ -12,6 +11,7 @@ from lit_smd.tasks.chat import (
     render_prompts,
     uses_chat_template,
 )
+from lit_smd.tiny import IM_END_TOKEN, build_tiny_tokenizer
 
 CONVERSATION = [{"role": "system", "content": "Sys."}, {"role": "user", "content": "2+2?"}]
 

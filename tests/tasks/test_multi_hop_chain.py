@@ -3,8 +3,8 @@ prompt's pairs), the hop count as a length knob, determinism by seed, bad sizes 
 
 import pytest
 
-from lit_smd.models import build_tiny_tokenizer
 from lit_smd.tasks import load_task, multi_hop_chain
+from lit_smd.tiny import build_tiny_tokenizer
 
 
 def walk(prompt: str, hops: int) -> str:

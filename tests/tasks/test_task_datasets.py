@@ -5,7 +5,6 @@ from pathlib import Path
 import pytest
 from transformers import PreTrainedTokenizerFast
 
-from lit_smd.models import build_tiny_tokenizer
 from lit_smd.rewards import math_answer_reward
 from lit_smd.tasks import (
     competition_math,
@@ -18,6 +17,7 @@ from lit_smd.tasks import (
     prepare_prompts,
     tldr,
 )
+from lit_smd.tiny import build_tiny_tokenizer
 
 FIXTURES = Path(__file__).parents[1] / "fixtures"
 
