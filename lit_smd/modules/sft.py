@@ -61,14 +61,14 @@ class SFTModule(LightningModule):
     Consumes ``{"input_ids", "labels"}`` batches (`lit_smd.datamodules.SupervisedDataModule`; ``attention_mask`` is
     ignored, batches must be right-padded). See the module docstring for the loss and the logged keys.
 
-    A tiny policy for CPU runs is built in YAML with `lit_smd.models.build_tiny_model` as ``class_path`` (jsonargparse
+    A tiny policy for CPU runs is built in YAML with `lit_smd.tiny.build_tiny_model` as ``class_path`` (jsonargparse
     accepts a function that returns a model)::
 
         policy:
-          class_path: lit_smd.models.build_tiny_model
+          class_path: lit_smd.tiny.build_tiny_model
           init_args:
             family: qwen3
-            tokenizer: {class_path: lit_smd.models.build_tiny_tokenizer}
+            tokenizer: {class_path: lit_smd.tiny.build_tiny_tokenizer}
             num_layers: 2
 
     Args:
