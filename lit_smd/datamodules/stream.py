@@ -7,8 +7,8 @@ checkpoints (see `lit_smd.datamodules.resume`).
 """
 
 import warnings
-from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any
+from collections.abc import Iterator, Sequence
+from typing import Any, Protocol
 
 import torch
 
@@ -16,10 +16,38 @@ from lit_smd.datamodules.experience import RolloutLearner, ScoredRollout
 from lit_smd.datamodules.limits import check_rollout_memory, rollout_length_limit
 from lit_smd.datamodules.resume import EpochPosition
 
-if TYPE_CHECKING:
-    from lit_smd.datamodules.rollout import RolloutDataModule
+__all__ = ["RolloutSource", "RolloutStream"]
 
-__all__ = ["RolloutStream"]
+
+class RolloutSource(Protocol):
+    """What the stream reads from its DataModule (`lit_smd.datamodules.RolloutDataModule` is the one there is)."""
+
+    max_prompt_tokens: int | None
+    max_new_tokens: int
+    prompts_per_step: int
+    num_generations: int
+    num_filtered: dict[str, int]
+    prompt_lengths: list[int]
+    seed: int
+
+    @property
+    def batches_per_step(self) -> int: ...
+
+    def eligible_indices(self, min_prompt_length: int = 1, max_prompt_length: int | None = None) -> list[int]: ...
+
+    def resume_rank(self) -> dict[str, Any] | None: ...
+
+    def trainer_epoch(self) -> int | None: ...
+
+    def collect(
+        self,
+        learner: RolloutLearner,
+        indices: Sequence[int],
+        generator: torch.Generator | None = None,
+        key: tuple[int, int] = (0, 0),
+    ) -> ScoredRollout: ...
+
+    def minibatches(self, scored: ScoredRollout) -> Iterator[ScoredRollout]: ...
 
 
 class RolloutStream:
@@ -38,7 +66,7 @@ class RolloutStream:
         world_size: Number of processes.
     """
 
-    def __init__(self, datamodule: "RolloutDataModule", learner: RolloutLearner, rank: int = 0, world_size: int = 1):
+    def __init__(self, datamodule: RolloutSource, learner: RolloutLearner, rank: int = 0, world_size: int = 1):
         if not isinstance(learner, RolloutLearner):
             raise TypeError(
                 f"{type(learner).__name__} cannot drive on-policy rollouts: it needs `policy`, `compressor`, "
