@@ -343,10 +343,7 @@ class DistillModule(LightningModule):
                 )
             else:
                 ids, logprobs = cached[0][..., : self.top_k], cached[1][..., : self.top_k]  # [B, N, k]
-            out = topk_token_kl(
-                student_hidden, ids, logprobs, lm_head_weight=head.weight, lm_head_bias=head.bias, tail=self.tail,
-                logit_transform=head.transform, **weights, **common,
-            )  # fmt: skip
+            out = topk_token_kl(student_hidden, ids, logprobs, head=head, tail=self.tail, **weights, **common)
             teacher_top1 = ids[..., 0].long()  # [B, N]: the top-k is sorted by decreasing log-prob
         else:
             teacher_head = output_head(self.teacher)
@@ -354,11 +351,7 @@ class DistillModule(LightningModule):
                 teacher_hidden = self._hidden(self.teacher, rollout)  # [B, N, H_T]
             teacher_top1 = _chunked_argmax(teacher_hidden, teacher_head, chunk)  # [B, N]
         if self.estimator == "full":
-            out = chunked_token_kl(
-                student_hidden, head.weight, teacher_hidden, teacher_lm_head_weight=teacher_head.weight,
-                lm_head_bias=head.bias, teacher_lm_head_bias=teacher_head.bias, logit_transform=head.transform,
-                teacher_logit_transform=teacher_head.transform, **weights, **common,
-            )  # fmt: skip
+            out = chunked_token_kl(student_hidden, head, teacher_hidden, teacher_head=teacher_head, **weights, **common)
         if self.estimator == "sampled":
             ids = rollout.completion_ids
             logprobs, entropy = token_logprobs_and_entropy(

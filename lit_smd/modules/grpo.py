@@ -441,31 +441,10 @@ class GRPOModule(LightningModule):
         if self.kl_stop_gradient == "dense":
             with torch.no_grad(), report_phase(self, "teacher"):
                 dense_hidden = dense_hidden_states(self.policy, rollout, masked)  # [B, N, H]
-            return chunked_token_kl(
-                masked_hidden,
-                head.weight,
-                dense_hidden,
-                teacher_lm_head_weight=head.weight,
-                lm_head_bias=head.bias,
-                teacher_lm_head_bias=head.bias,
-                logit_transform=head.transform,
-                teacher_logit_transform=head.transform,
-                **common,
-            )
+            return chunked_token_kl(masked_hidden, head, dense_hidden, teacher_head=head, **common)
         dense_hidden = self._pass(self.policy, rollout, shadow=False).hidden  # [B, N, H]
-        return chunked_token_kl(
-            dense_hidden,
-            head.weight,
-            masked_hidden.detach(),
-            teacher_lm_head_weight=head.weight,
-            lm_head_bias=head.bias,
-            teacher_lm_head_bias=head.bias,
-            logit_transform=head.transform,
-            teacher_logit_transform=head.transform,
-            forward_weight=0.0,
-            reverse_weight=1.0,
-            **common,
-        )
+        reverse = {"forward_weight": 0.0, "reverse_weight": 1.0}
+        return chunked_token_kl(dense_hidden, head, masked_hidden.detach(), teacher_head=head, **reverse, **common)
 
     def configure_optimizers(self) -> object:
         """The injected optimizer (default AdamW, lr 1e-6) over the policy, with the scheduler stepped per step."""
