@@ -95,10 +95,10 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from lit_smd.datamodules.experience import Experience, PhaseListener, ScoredRollout, report_phase
-from lit_smd.fsdp import fsdp_strategy, is_sharded, shard_model
+from lit_smd.fsdp import is_sharded
 from lit_smd.kv import Compressor
 from lit_smd.learner import LearnerLayout, LearnerPass, check_learner_layout, dense_hidden_states, learner_hidden_states
-from lit_smd.lora import LoraSettings, add_lora, check_lora
+from lit_smd.lora import LoraSettings, check_lora
 from lit_smd.losses.grpo import LossType, ScaleRewards, masked_mean, mismatch_stats, policy_loss
 from lit_smd.losses.head import output_head
 from lit_smd.losses.kl import KLOutput, chunked_token_kl
@@ -113,10 +113,12 @@ from lit_smd.modules._common import (
     NonFiniteGuard,
     OptimizerCallable,
     check_checkpoint_model,
-    check_tokenizer_fits,
     configure_optimizers,
     freeze,
+    load_frozen,
     prepare_trainable,
+    shard_models,
+    start_fit,
 )
 from lit_smd.modules._grpo_checks import check_grpo_args
 from lit_smd.modules._grpo_experience import ExperienceInProgress, build_experience
@@ -458,16 +460,10 @@ class GRPOModule(LightningModule):
         if self.policy is None:
             self.policy = load_causal_lm(self._policy_source, dtype=self.model_dtype)
             self._prepare_policy()
-        if self.reference is None and self._reference_source is not None:
-            self._frozen["reference"] = freeze(
-                load_causal_lm(self._reference_source, dtype=self.model_dtype, quantization=self.reference_quantization)
-            )
+        load_frozen(self._frozen, "reference", self._reference_source, self.model_dtype, self.reference_quantization)
         if self.reference is None and self.beta > 0 and self.lora is None:
             self._frozen["reference"] = freeze(copy.deepcopy(self.policy))
-        if (strategy := fsdp_strategy(self)) is not None:  # FSDP2: policy and reference sharded (docs/distributed.md)
-            shard_model(self.policy, strategy)
-            if self.reference is not None:
-                shard_model(self.reference, strategy)
+        shard_models(self, self.policy, self.reference)  # FSDP2: policy and reference sharded
 
     @property
     def reference_is_base(self) -> bool:
@@ -476,20 +472,13 @@ class GRPOModule(LightningModule):
         return self.lora is not None and self.beta > 0 and self.reference is None and self._reference_source is None
 
     def _prepare_policy(self) -> None:
-        if self.lora is not None:
-            add_lora(self.policy, self.lora)
         prepare_trainable(
-            self.policy, disable_dropout=self.disable_dropout, gradient_checkpointing=self.gradient_checkpointing
-        )
+            self.policy, disable_dropout=self.disable_dropout, gradient_checkpointing=self.gradient_checkpointing,
+            lora=self.lora,
+        )  # fmt: skip
 
     def on_fit_start(self) -> None:
-        # from_pretrained returns eval-mode models and Lightning keeps the mode it finds; the learner trains in train
-        # mode (activation checkpointing needs it; dropout is off unless disable_dropout=False).
-        self.policy.train()
-        reference = self.reference
-        if reference is not None and getattr(reference, "hf_quantizer", None) is None:
-            reference.to(self.device)  # not a child module; quantized weights stay where bitsandbytes put them
-        check_tokenizer_fits(self.policy, self.trainer.datamodule, "policy")
+        start_fit(self, "policy", self.reference)  # train mode, the reference on the device, the tokenizer checked
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.nonfinite_guard.check(self)  # skip or stop on NaN / inf, before gradient clipping and the step
