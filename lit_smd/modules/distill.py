@@ -265,7 +265,7 @@ class DistillModule(LightningModule):
         self.student.eval()
         try:
             with gathered(self.student, layers=True):  # FSDP2: the whole student for the probe
-                generator = torch.Generator(self.device).manualseed_of(self.sampling_seed)
+                generator = torch.Generator(self.device).manual_seed(self.sampling_seed)
                 rollout = self._generate(self.student, prompts, generator)
                 hidden = self._hidden(self.student, rollout)  # [B, N, H]
                 head = output_head(self.student)
@@ -459,13 +459,13 @@ class DistillModule(LightningModule):
     def _draw_student_prefix(self, batch_idx: int) -> bool:
         if self.prefix_source != "mix":
             return self.prefix_source == "student"
-        generator = torch.Generator().manualseed_of(seed_of(self.sampling_seed, self.global_step, batch_idx, 0))
+        generator = torch.Generator().manual_seed(seed_of(self.sampling_seed, self.global_step, batch_idx, 0))
         return bool(torch.rand((), generator=generator) < self.student_prefix_probability)
 
     def _generator(self, batch_idx: int) -> torch.Generator:
         # Per rank: ranks sampling their different prompts with one random stream would draw correlated completions.
         seed = seed_of(self.sampling_seed, self.global_step, batch_idx, 1, self.global_rank)
-        return torch.Generator(self.device).manualseed_of(seed)
+        return torch.Generator(self.device).manual_seed(seed)
 
     def _generate(self, model: PreTrainedModel, prompts: PromptBatch, generator: torch.Generator | None) -> Rollout:
         return generate_prefixes(model, prompts, self._max_new_tokens, self.temperature, generator)
