@@ -5,7 +5,7 @@ lm_head (gradients into both), and a teacher from its own hidden states through 
 i.e. the SMD term ``KL(sg[dense] || masked)``.
 
 - naive: ``token_kl(hidden @ W.T, (teacher_hidden @ W.T).detach())``, autograd for the backward.
-- chunked: ``chunked_token_kl(hidden, W, teacher_hidden, teacher_lm_head_weight=W, chunk_size=C)``.
+- chunked: ``chunked_token_kl(hidden, OutputHead(W), teacher_hidden, teacher_head=OutputHead(W), chunk_size=C)``.
 
 Peak memory is the high-water mark of one pass (after a warm-up pass) *above* the memory held before it (inputs, no
 gradients yet). It includes the ``[V, H]`` and ``[N, H]`` gradients that any method must produce; the table also gives
@@ -38,6 +38,7 @@ from typing import Any
 
 import torch
 
+from lit_smd.losses.head import OutputHead
 from lit_smd.losses.kl import chunked_token_kl, token_kl
 
 VARIANTS = ("naive", "chunked")
@@ -65,8 +66,9 @@ def _step(variant: str, inputs: dict[str, Any], args: argparse.Namespace) -> flo
             teacher_logits = teacher_hidden @ weight.T
         loss = token_kl(hidden @ weight.T, teacher_logits, **kl_args)
     else:
+        head = OutputHead(weight)
         loss = chunked_token_kl(
-            hidden, weight, teacher_hidden, teacher_lm_head_weight=weight, chunk_size=args.chunk_size, **kl_args
+            hidden, head, teacher_hidden, teacher_head=head, chunk_size=args.chunk_size, **kl_args
         ).loss
     loss.backward()
     value = loss.item()

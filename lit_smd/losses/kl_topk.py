@@ -5,10 +5,10 @@ Algorithm
     normalised) log-probs. ``topk_token_kl`` compares the student's full temperature-scaled distribution with that
     truncated teacher, the mass outside the top-k handled by ``tail``: renormalised away (``"renormalize"``) or kept as
     one "rest" bucket on both sides (``"bucket"``). With ``k = V`` both equal the full-vocabulary KL of
-    `lit_smd.losses.kl.token_kl`. Given the student's hidden states and lm_head instead of its logits, the loss is
-    computed in chunks over tokens by the fused machinery of `lit_smd.losses.kl` (the ``[N, V]`` student logits never
-    exist whole); it shares that module's validation, masking, normaliser, ``-inf`` clamping and ``KLOutput``
-    conventions.
+    `lit_smd.losses.kl.token_kl`. Given the student's hidden states and `OutputHead` instead of its logits, the loss is
+    computed in chunks over tokens by the fused machinery of `lit_smd.losses._fused_kl` (the ``[N, V]`` student
+    logits never exist whole), which ``chunked_token_kl`` runs on too: the same validation, masking, normaliser,
+    ``-inf`` clamping and ``KLOutput`` conventions.
 
 Papers
     DistillKit (arcee-ai) for the top-k tail conventions; Decoupled KL and trajectories, arXiv 2605.16826.
@@ -25,21 +25,22 @@ from typing import Literal
 import torch
 from torch import Tensor
 
-from lit_smd.losses.head import IDENTITY, LogitTransform
-from lit_smd.losses.kl import (
+from lit_smd.losses._fused_kl import (
     KLOutput,
-    _check_kl_args,
-    _check_linear,
-    _check_mask,
-    _clamp_log,
-    _compute_dtype,
-    _denominator,
-    _fused_linear_kl,
-    _kl_output,
-    _log_softmax,
-    _rowdot,
-    _token_weights,
+    check_head,
+    check_kl_args,
+    check_mask,
+    check_token_dims,
+    clamp_log,
+    clamped_log_softmax,
+    compute_dtype,
+    denominator,
+    fused_linear_kl,
+    kl_output,
+    rowdot,
+    token_weights,
 )
+from lit_smd.losses.head import OutputHead
 
 __all__ = ["TailMode", "topk_token_kl"]
 
@@ -51,8 +52,7 @@ def topk_token_kl(
     teacher_topk_ids: Tensor,
     teacher_topk_logprobs: Tensor,
     *,
-    lm_head_weight: Tensor | None = None,
-    lm_head_bias: Tensor | None = None,
+    head: OutputHead | None = None,
     tail: TailMode = "renormalize",
     forward_weight: float = 1.0,
     reverse_weight: float = 0.0,
@@ -60,7 +60,6 @@ def topk_token_kl(
     mask: Tensor | None = None,
     normalizer: float | Tensor | None = None,
     chunk_size: int = 1024,
-    logit_transform: LogitTransform = IDENTITY,
 ) -> KLOutput:
     """Token KL against cached top-k teacher log-probs (DistillKit semantics).
 
@@ -83,11 +82,11 @@ def topk_token_kl(
 
     Args:
         student: Student logits ``[N, V]`` / ``[B, T, V]``, or hidden states ``[N, H]`` / ``[B, T, H]`` when
-            ``lm_head_weight`` is given (then computed chunk by chunk like ``chunked_token_kl``).
+            ``head`` is given (then computed chunk by chunk like ``chunked_token_kl``).
         teacher_topk_ids: Vocabulary ids of the cached top-k, integer, shape ``[N, k]`` / ``[B, T, k]``.
         teacher_topk_logprobs: Teacher log-probs (full-vocabulary normalised) at those ids, same shape.
-        lm_head_weight: Student output projection ``[V, H]``; selects the hidden-state form of ``student``.
-        lm_head_bias: Student output bias ``[V]``; needs ``lm_head_weight``.
+        head: The student's output head (`lit_smd.losses.head.OutputHead`: ``[V, H]`` weight, optional ``[V]`` bias,
+            the family's logit transform); selects the hidden-state form of ``student``.
         tail: How the teacher mass outside the top-k is handled, ``"renormalize"`` or ``"bucket"``.
         forward_weight: ``w_f >= 0``, weight of the forward term.
         reverse_weight: ``w_r >= 0``, weight of the reverse term; not both weights may be 0.
@@ -95,8 +94,6 @@ def topk_token_kl(
         mask: Valid tokens, shape ``[N]`` or ``[B, T]``; bool, or float per-token weights. ``None`` keeps all.
         normalizer: Denominator of the loss; ``None`` is the mask sum (see ``chunked_token_kl``).
         chunk_size: Rows per chunk in the hidden-state form.
-        logit_transform: The student family's logit post-processing after the projection (hidden-state form;
-            `lit_smd.losses.head.output_head`).
 
     Returns:
         ``KLOutput``; ``forward_kl`` and ``reverse_kl`` are the top-k terms defined above.
@@ -105,16 +102,10 @@ def topk_token_kl(
         ValueError: On invalid weights, temperature, tail, normalizer or chunk size, ``k < 1`` or ``k > V``, or
             mismatched shapes.
     """
-    _check_kl_args(forward_weight, reverse_weight, temperature)
+    check_kl_args(forward_weight, reverse_weight, temperature)
     if tail not in ("renormalize", "bucket"):
         raise ValueError(f"tail must be 'renormalize' or 'bucket', got {tail!r}")
-    if lm_head_weight is None:
-        if lm_head_bias is not None:
-            raise ValueError("lm_head_bias is given without lm_head_weight")
-        vocab_size = student.shape[-1]
-    else:
-        _check_linear(student, lm_head_weight, lm_head_bias, "student", "lm_head_weight", "lm_head_bias")
-        vocab_size = lm_head_weight.shape[0]
+    vocab_size = student.shape[-1] if head is None else check_head(student, head, "student", "head")
     token_shape = student.shape[:-1]
     if teacher_topk_ids.is_floating_point() or teacher_topk_ids.is_complex() or teacher_topk_ids.dtype == torch.bool:
         raise ValueError(f"teacher_topk_ids must be an integer tensor, got {teacher_topk_ids.dtype}")
@@ -123,26 +114,22 @@ def topk_token_kl(
             f"teacher_topk_ids shape {tuple(teacher_topk_ids.shape)} != teacher_topk_logprobs shape "
             f"{tuple(teacher_topk_logprobs.shape)}"
         )
-    if teacher_topk_ids.shape[:-1] != token_shape:
-        raise ValueError(
-            f"teacher_topk_ids shape {tuple(teacher_topk_ids.shape)} does not match student shape "
-            f"{tuple(student.shape)} in the token dimensions"
-        )
+    check_token_dims(teacher_topk_ids, "teacher_topk_ids", student, "student")
     k = teacher_topk_ids.shape[-1]
     if not 1 <= k <= vocab_size:
         raise ValueError(f"teacher_topk_ids: k must be in [1, vocab size {vocab_size}], got k={k}")
-    _check_mask(mask, token_shape)
+    check_mask(mask, token_shape)
 
-    dtype = _compute_dtype(student, teacher_topk_logprobs)
+    dtype = compute_dtype(student, teacher_topk_logprobs)
     ids = teacher_topk_ids.reshape(-1, k).long()  # [N, k]
-    teacher_logprobs = _clamp_log(teacher_topk_logprobs.detach().reshape(-1, k).to(dtype))  # [N, k]
+    teacher_logprobs = clamp_log(teacher_topk_logprobs.detach().reshape(-1, k).to(dtype))  # [N, k]
 
-    if lm_head_weight is None:
-        log_q = _log_softmax(student.reshape(-1, vocab_size).to(dtype) / temperature)  # [N, V]
+    if head is None:
+        log_q = clamped_log_softmax(student.reshape(-1, vocab_size).to(dtype) / temperature)  # [N, V]
         forward_kl, reverse_kl, entropy = _topk_kl_terms(log_q, ids, teacher_logprobs, tail)  # [N] each
-        weights = _token_weights(mask, token_shape, dtype, forward_kl.device).reshape(-1)  # [N]
-        loss = weights @ (forward_weight * forward_kl + reverse_weight * reverse_kl) / _denominator(weights, normalizer)
-        return _kl_output(loss, torch.stack([forward_kl, reverse_kl, entropy], -1).detach(), weights)
+        weights = token_weights(mask, token_shape, dtype, forward_kl.device).reshape(-1)  # [N]
+        loss = weights @ (forward_weight * forward_kl + reverse_weight * reverse_kl) / denominator(weights, normalizer)
+        return kl_output(loss, torch.stack([forward_kl, reverse_kl, entropy], -1).detach(), weights)
 
     def rows_fn(log_q: Tensor, rows: slice, need_grad: bool) -> tuple[Tensor, Tensor, Tensor | None]:
         with torch.enable_grad():
@@ -157,10 +144,7 @@ def topk_token_kl(
             grad = torch.autograd.grad(loss_rows.sum(), scaled_logits)[0] if need_grad else None  # [C, V]
         return loss_rows.detach(), torch.stack([forward_kl, reverse_kl, entropy], -1).detach(), grad
 
-    return _fused_linear_kl(
-        student, lm_head_weight, lm_head_bias, rows_fn, dtype, temperature, mask, normalizer, chunk_size,
-        logit_transform,
-    )  # fmt: skip
+    return fused_linear_kl(student, head, rows_fn, dtype, temperature, mask, normalizer, chunk_size)
 
 
 def _topk_kl_terms(
@@ -178,7 +162,7 @@ def _topk_kl_terms(
         Forward KL ``[C]``, reverse KL ``[C]``, detached student entropy ``[C]``.
     """
     with torch.no_grad():
-        entropy = -_rowdot(log_q.exp(), log_q)  # [C]
+        entropy = -rowdot(log_q.exp(), log_q)  # [C]
     log_q_k = log_q.gather(-1, ids)  # [C, k]
     if tail == "renormalize":
         log_p_k = teacher_logprobs - teacher_logprobs.logsumexp(-1, keepdim=True)  # [C, k] log p~

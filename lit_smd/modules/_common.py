@@ -1,6 +1,14 @@
-"""Helpers the LightningModules share: model preparation, optimizers, and the guard against non-finite steps."""
+"""Helpers the LightningModules share: loading, preparing, sharding and exporting their models, optimizers, argument
+checks, and the guard against non-finite steps.
 
+Each module (`GRPOModule`, `DistillModule`, `SFTModule`) trains one model (``policy`` / ``student``) and may hold one
+frozen model (``reference`` / ``teacher``) out of its children, in a ``_frozen`` dict; these functions take the model
+or the module and the model's attribute name, so that the three modules run the same code for the same step.
+"""
+
+import warnings
 from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Literal, get_args
 
 import torch
@@ -10,7 +18,10 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lit_smd.models import check_pretrained_source
+from lit_smd.atomic import publish_dir
+from lit_smd.fsdp import fsdp_strategy, shard_model, unsharded_attribute
+from lit_smd.lora import LoraSettings, add_lora, save_pretrained_merged
+from lit_smd.models import Quantization, check_pretrained_source, load_causal_lm, load_tokenizer
 
 OptimizerCallable = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
 LRSchedulerCallable = Callable[[torch.optim.Optimizer], torch.optim.lr_scheduler.LRScheduler]
@@ -28,11 +39,20 @@ def freeze(model: PreTrainedModel) -> PreTrainedModel:
     return model
 
 
-def prepare_trainable(model: PreTrainedModel, *, disable_dropout: bool, gradient_checkpointing: bool) -> None:
-    """Zero dropout (``nn.Dropout`` and Hugging Face's float ``attention_dropout``) and enable activation checkpointing.
+def prepare_trainable(
+    model: PreTrainedModel,
+    *,
+    disable_dropout: bool,
+    gradient_checkpointing: bool,
+    lora: LoraSettings | None = None,
+) -> None:
+    """Add ``lora``'s adapters (`lit_smd.lora.add_lora`), zero dropout (``nn.Dropout`` and Hugging Face's float
+    ``attention_dropout``) and enable activation checkpointing.
 
     Dropout must be off for an exact shadow-mask replay and makes distillation targets noisy.
     """
+    if lora is not None:
+        add_lora(model, lora)
     if disable_dropout:
         for module in model.modules():
             if isinstance(module, torch.nn.Dropout):
@@ -41,6 +61,103 @@ def prepare_trainable(model: PreTrainedModel, *, disable_dropout: bool, gradient
                 module.attention_dropout = 0.0
     if gradient_checkpointing:
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
+
+
+def load_frozen(
+    frozen: dict[str, PreTrainedModel],
+    name: str,
+    source: str | None,
+    dtype: str,
+    quantization: Quantization | None,
+) -> None:
+    """Load the frozen model ``name`` (``"reference"``, ``"teacher"``) from its path ``source`` into ``frozen``, once.
+
+    Kept in the module's ``_frozen`` dict, not as an attribute: ``nn.Module`` would register it as a child, which
+    Lightning then moves, casts and saves in every checkpoint. Nothing is loaded when ``frozen`` already holds one or
+    there is no path.
+    """
+    if frozen.get(name) is None and source is not None:
+        frozen[name] = freeze(load_causal_lm(source, dtype=dtype, quantization=quantization))
+
+
+def shard_models(module: LightningModule, *models: PreTrainedModel | None) -> None:
+    """Under `lit_smd.fsdp.FSDP2Strategy`, shard each of ``models`` (None skipped; idempotent; docs/distributed.md)."""
+    if (strategy := fsdp_strategy(module)) is not None:
+        for model in models:
+            if model is not None:
+                shard_model(model, strategy)
+
+
+def start_fit(module: LightningModule, name: str, frozen: PreTrainedModel | None = None) -> None:
+    """``on_fit_start``: the trained model ``name`` in train mode, the ``frozen`` one on the module's device, and the
+    data side's tokenizer checked against the trained model (`check_tokenizer_fits`).
+
+    ``from_pretrained`` returns eval-mode models and Lightning keeps the mode it finds; the trained model trains in
+    train mode (activation checkpointing needs it; dropout is off unless ``disable_dropout=False``). The frozen model
+    is not a child module, so Lightning does not move it; quantized weights stay where bitsandbytes put them.
+    """
+    model = getattr(module, name)
+    model.train()
+    if frozen is not None and getattr(frozen, "hf_quantizer", None) is None:
+        frozen.to(module.device)
+    check_tokenizer_fits(model, module.trainer.datamodule, name)
+
+
+def export_at_train_end(module: LightningModule, name: str, export: Callable[..., Path]) -> None:
+    """``on_train_end``: with ``module.export_dir`` set, write the trained model ``name`` there with ``export``
+    (called with the directory and the DataModule's ``tokenizer``) on rank 0; under FSDP2 every rank gathers it."""
+    if module.export_dir is None:
+        return
+    with unsharded_attribute(module, name):
+        if module.trainer.is_global_zero:
+            export(module.export_dir, tokenizer=getattr(module.trainer.datamodule, "tokenizer", None))
+
+
+def export_tokenizer(
+    model: PreTrainedModel, tokenizer: PreTrainedTokenizerBase | None, source: str | None, name: str
+) -> PreTrainedTokenizerBase | None:
+    """The tokenizer to ship with an export of ``model``: ``tokenizer``, else the one at the model's path ``source``
+    (None when there is none).
+
+    Raises:
+        ValueError: The tokenizer has more tokens than ``model`` has output ids.
+    """
+    if tokenizer is None and source is not None:
+        try:
+            tokenizer = load_tokenizer(source)
+        except (OSError, ValueError):
+            tokenizer = None
+    vocab_size = model.get_output_embeddings().weight.shape[0]
+    if tokenizer is not None and len(tokenizer) > vocab_size:
+        raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than the {name}'s {vocab_size} output ids")
+    return tokenizer
+
+
+def write_pretrained(
+    model: PreTrainedModel,
+    directory: str | Path,
+    tokenizer: PreTrainedTokenizerBase | None,
+    name: str,
+    files: Mapping[str, str] | None = None,
+) -> Path:
+    """Write ``model`` (``save_pretrained``, LoRA adapters merged: `lit_smd.lora.save_pretrained_merged`), its
+    ``tokenizer`` and the text ``files`` (file name -> content) to ``directory``; warns when there is no tokenizer.
+
+    Crash-safe (`lit_smd.atomic.publish_dir`): no file under ``directory`` is ever partial.
+
+    Returns:
+        The folder.
+    """
+    path = Path(directory)
+    with publish_dir(path) as staging:
+        save_pretrained_merged(model, staging)
+        if tokenizer is not None:
+            tokenizer.save_pretrained(staging)
+        for file_name, text in (files or {}).items():
+            (staging / file_name).write_text(text)
+    if tokenizer is None:
+        warnings.warn(f"the {name} is exported to {path} without a tokenizer", stacklevel=3)
+    return path
 
 
 def configure_optimizers(

@@ -1,4 +1,5 @@
-"""Argument validation of `lit_smd.modules.GRPOModule`: its constructor arguments, and a rollout against its mode.
+"""Argument validation of `lit_smd.modules.GRPOModule`: its constructor arguments (and the mode's default rollout
+correction), a rollout against its mode, and the batches it trains on.
 
 Each check raises ``ValueError`` naming the offending parameter and what is valid, before any model is loaded or run.
 """
@@ -6,6 +7,7 @@ Each check raises ``ValueError`` naming the offending parameter and what is vali
 import math
 from typing import get_args
 
+from lit_smd.datamodules.experience import Experience
 from lit_smd.kv import Compressor
 from lit_smd.losses.grpo import LossType, ScaleRewards
 from lit_smd.losses.rollout_correction import RolloutCorrection
@@ -93,6 +95,12 @@ def check_grpo_args(
         )
 
 
+def default_rollout_correction(mode: str) -> RolloutCorrection:
+    """The rollout correction a mode uses when none is given (see `lit_smd.modules.grpo`'s docstring): TRL's
+    ``sequence_mask`` for dense and smd, ``none`` for naive (uncorrected by definition) and sparse_rl (its own)."""
+    return RolloutCorrection("sequence_mask") if mode in ("dense", "smd") else RolloutCorrection("none")
+
+
 def check_rollout(mode: str, rollout: Rollout) -> None:
     """Check that ``rollout`` fits ``mode``: smd needs a shadow mask (compressed rollouts), dense must not have one.
 
@@ -124,3 +132,24 @@ def check_minibatches(rows: int, num_iterations: int, minibatch_size: int | None
         or rows % minibatch_size != 0
     ):  # fmt: skip
         raise ValueError(f"minibatch_size={minibatch_size!r} must be None or a positive divisor of the {rows} rows")
+
+
+def check_training_batch(batch: object) -> None:
+    """Refuse what `GRPOModule.training_step` cannot train on (after a `ScoredRollout` became its minibatch's
+    `Experience`).
+
+    Raises:
+        TypeError: ``batch`` is not an `Experience`.
+        ValueError: An on-policy experience (no ``old_logprobs``) trained at a later iteration.
+    """
+    if not isinstance(batch, Experience):
+        raise TypeError(
+            f"GRPOModule.training_step expects a ScoredRollout or an Experience batch, got {type(batch).__name__}; "
+            "train with lit_smd.datamodules.RolloutDataModule, or wrap a Rollout and its rewards in a ScoredRollout"
+        )
+    if batch.old_logprobs is None and batch.iteration > 0:
+        raise ValueError(
+            f"this Experience has no old_logprobs (built for one on-policy pass) but is trained at iteration "
+            f"{batch.iteration}: build it from a ScoredRollout with num_iterations=N and minibatch_size=M for N "
+            "passes of M-row minibatches"
+        )

@@ -61,9 +61,6 @@ Logged keys (every training step)
 """
 
 import json
-import math
-import warnings
-from dataclasses import replace
 from pathlib import Path
 from typing import Literal
 
@@ -72,22 +69,21 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lit_smd.atomic import publish_dir
 from lit_smd.callbacks.entropy_curriculum import ProbeStats
 from lit_smd.datamodules.distill import PromptBatch
 from lit_smd.datamodules.limits import rollout_length_limit
 from lit_smd.datamodules.rollout import require_full_weights
 from lit_smd.datamodules.teacher_cache import CachedBatch, CacheMetadata, tokenizer_fingerprint
 from lit_smd.datamodules.teacher_cache_build import teacher_topk_logprobs
-from lit_smd.fsdp import fsdp_strategy, gathered, shard_model, unsharded_attribute
+from lit_smd.fsdp import gathered
 from lit_smd.learner import LearnerLayout, check_learner_layout, learner_hidden_states
-from lit_smd.lora import LoraSettings, add_lora, check_lora, save_pretrained_merged
+from lit_smd.lora import LoraSettings, check_lora
 from lit_smd.losses.grpo import masked_mean
 from lit_smd.losses.head import OutputHead, output_head
 from lit_smd.losses.kl import chunked_token_kl, sampled_reverse_kl
 from lit_smd.losses.kl_topk import TailMode, topk_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
-from lit_smd.models import Quantization, load_causal_lm, load_tokenizer
+from lit_smd.models import Quantization, load_causal_lm
 from lit_smd.modules._common import (
     LRSchedulerCallable,
     ModelDType,
@@ -95,13 +91,19 @@ from lit_smd.modules._common import (
     NonFiniteGuard,
     OptimizerCallable,
     check_checkpoint_model,
-    check_tokenizer_fits,
     configure_optimizers,
+    export_at_train_end,
+    export_tokenizer,
     freeze,
+    load_frozen,
     prepare_trainable,
+    shard_models,
+    start_fit,
+    write_pretrained,
 )
-from lit_smd.modules._distill_checks import check_distill_args
-from lit_smd.rollout import Rollout, generate
+from lit_smd.modules._distill_checks import check_cache, check_distill_args, check_models, check_prompt_lengths
+from lit_smd.modules._distill_prefixes import generate_prefixes, seed_of, truncate_cached
+from lit_smd.rollout import Rollout
 
 __all__ = ["DistillModule", "Estimator", "PrefixSource"]
 
@@ -297,7 +299,7 @@ class DistillModule(LightningModule):
         if student_prefix:
             rollout = self._generate(self.student, prompts, self._generator(batch_idx))
         elif isinstance(batch, CachedBatch):
-            rollout, cached = self._truncate(batch)
+            rollout, cached = truncate_cached(batch, self._max_new_tokens)
         else:
             if self.teacher is None:
                 raise ValueError(
@@ -343,10 +345,7 @@ class DistillModule(LightningModule):
                 )
             else:
                 ids, logprobs = cached[0][..., : self.top_k], cached[1][..., : self.top_k]  # [B, N, k]
-            out = topk_token_kl(
-                student_hidden, ids, logprobs, lm_head_weight=head.weight, lm_head_bias=head.bias, tail=self.tail,
-                logit_transform=head.transform, **weights, **common,
-            )  # fmt: skip
+            out = topk_token_kl(student_hidden, ids, logprobs, head=head, tail=self.tail, **weights, **common)
             teacher_top1 = ids[..., 0].long()  # [B, N]: the top-k is sorted by decreasing log-prob
         else:
             teacher_head = output_head(self.teacher)
@@ -354,11 +353,7 @@ class DistillModule(LightningModule):
                 teacher_hidden = self._hidden(self.teacher, rollout)  # [B, N, H_T]
             teacher_top1 = _chunked_argmax(teacher_hidden, teacher_head, chunk)  # [B, N]
         if self.estimator == "full":
-            out = chunked_token_kl(
-                student_hidden, head.weight, teacher_hidden, teacher_lm_head_weight=teacher_head.weight,
-                lm_head_bias=head.bias, teacher_lm_head_bias=teacher_head.bias, logit_transform=head.transform,
-                teacher_logit_transform=teacher_head.transform, **weights, **common,
-            )  # fmt: skip
+            out = chunked_token_kl(student_hidden, head, teacher_hidden, teacher_head=teacher_head, **weights, **common)
         if self.estimator == "sampled":
             ids = rollout.completion_ids
             logprobs, entropy = token_logprobs_and_entropy(
@@ -397,15 +392,11 @@ class DistillModule(LightningModule):
         if self.student is None:
             self.student = load_causal_lm(self._student_source, dtype=self.model_dtype)
             self._prepare_student()
-        if self.teacher is None and self._teacher_source is not None:
-            self._frozen["teacher"] = freeze(
-                load_causal_lm(self._teacher_source, dtype=self.model_dtype, quantization=self.teacher_quantization)
-            )
-        self._check_models()
-        if (strategy := fsdp_strategy(self)) is not None:  # FSDP2: student and teacher sharded (docs/distributed.md)
-            shard_model(self.student, strategy)
-            if self.teacher is not None:
-                shard_model(self.teacher, strategy)
+        load_frozen(self._frozen, "teacher", self._teacher_source, self.model_dtype, self.teacher_quantization)
+        check_models(
+            self.student, self.teacher, self.estimator, self.top_k, self._student_source, self._teacher_source
+        )  # the vocabularies and tokenizers match, top_k fits
+        shard_models(self, self.student, self.teacher)  # FSDP2: student and teacher sharded
 
     def setup(self, stage: str) -> None:
         """Refuse strategies whose shards lit_smd cannot gather (FSDP1, ZeRO-3) before any model is loaded
@@ -415,28 +406,10 @@ class DistillModule(LightningModule):
     def on_load_checkpoint(self, checkpoint: dict[str, object]) -> None:
         check_checkpoint_model(self, checkpoint, "student")
 
-    def _check_prompt_lengths(self, datamodule: object) -> None:
-        """Prompts plus ``max_new_tokens`` must fit in the student's context (`lit_smd.datamodules.limits`)."""
-        limit = rollout_length_limit(
-            self.student.config, self._max_new_tokens, getattr(datamodule, "max_prompt_tokens", None), "student"
-        )
-        prompt_ids = getattr(datamodule, "prompt_ids", None) or []
-        over = sum(len(ids) > limit for ids in prompt_ids) if limit is not None else 0
-        if over:
-            raise ValueError(
-                f"{over} prompts are longer than the {limit} tokens the student's context leaves after max_new_tokens="
-                f"{self._max_new_tokens}; set the data's max_prompt_tokens <= {limit} to drop them"
-            )
-
     def on_fit_start(self) -> None:
-        # from_pretrained returns eval-mode models and Lightning keeps the mode it finds.
-        self.student.train()
-        teacher = self.teacher
-        if teacher is not None and getattr(teacher, "hf_quantizer", None) is None:
-            teacher.to(self.device)  # quantized weights stay where bitsandbytes put them
+        start_fit(self, "student", self.teacher)  # train mode, the teacher on the device, the tokenizer checked
         datamodule = self.trainer.datamodule
-        check_tokenizer_fits(self.student, datamodule, "student")
-        self._check_prompt_lengths(datamodule)
+        check_prompt_lengths(self.student, self._max_new_tokens, datamodule)
         metadata = getattr(datamodule, "metadata", None)
         if isinstance(metadata, CacheMetadata):
             self.check_cache(metadata)
@@ -445,34 +418,11 @@ class DistillModule(LightningModule):
         self.nonfinite_guard.check(self)  # skip or stop on NaN / inf, before gradient clipping and the step
 
     def on_train_end(self) -> None:
-        if self.export_dir is None:
-            return
-        with unsharded_attribute(self, "student"):  # under FSDP2 every rank gathers, rank 0 writes
-            if self.trainer.is_global_zero:
-                self.export_student(self.export_dir, tokenizer=getattr(self.trainer.datamodule, "tokenizer", None))
+        export_at_train_end(self, "student", self.export_student)  # with export_dir: under FSDP2 every rank gathers
 
     def check_cache(self, metadata: CacheMetadata) -> None:
         """Check a teacher cache against the student and the settings; raises ``ValueError`` naming the parameter."""
-        vocab_size = self.student.get_output_embeddings().weight.shape[0]
-        if metadata.vocab_size != vocab_size:
-            raise ValueError(
-                f"vocabulary mismatch: the teacher cache holds distributions over {metadata.vocab_size} ids (teacher "
-                f"{metadata.teacher!r}) but `student` has {vocab_size} output ids; distil a student that shares the "
-                "teacher's vocabulary, or rebuild the cache"
-            )
-        if self.estimator == "topk" and self.top_k > metadata.top_k:
-            raise ValueError(f"top_k={self.top_k} exceeds the k={metadata.top_k} stored in the teacher cache")
-        if not math.isclose(self.temperature, metadata.temperature):
-            raise ValueError(
-                f"temperature={self.temperature} differs from the teacher cache's {metadata.temperature}: the cached "
-                "log-probs are of the distribution at the cache's temperature; train at it or rebuild the cache"
-            )
-        if self._max_new_tokens > metadata.max_new_tokens:
-            warnings.warn(
-                f"max_new_tokens={self._max_new_tokens} exceeds the cache's {metadata.max_new_tokens}: cached teacher "
-                "prefixes are no longer than that",
-                stacklevel=2,
-            )
+        check_cache(metadata, self.student, self.estimator, self.top_k, self.temperature, self._max_new_tokens)
 
     def export_student(self, directory: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
         """Write the student (``save_pretrained``), its tokenizer and ``lit_smd_distill.json`` to ``directory``.
@@ -488,102 +438,41 @@ class DistillModule(LightningModule):
         Returns:
             The folder.
         """
-        if tokenizer is None and self._student_source is not None:
-            try:
-                tokenizer = load_tokenizer(self._student_source)
-            except (OSError, ValueError):
-                tokenizer = None
-        vocab_size = self.student.get_output_embeddings().weight.shape[0]
-        if tokenizer is not None and len(tokenizer) > vocab_size:
-            raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than the student's {vocab_size} output ids")
-        path = Path(directory)
-        if tokenizer is None:
-            warnings.warn(f"the student is exported to {path} without a tokenizer", stacklevel=2)
+        tokenizer = export_tokenizer(self.student, tokenizer, self._student_source, "student")
         provenance = {
             "teacher": self._teacher_source or getattr(self.teacher, "name_or_path", None),
             "global_step": self.global_step,
             "tokenizer_fingerprint": None if tokenizer is None else tokenizer_fingerprint(tokenizer),
             "hparams": {key: repr(value) for key, value in self.hparams.items()},
         }
-        with publish_dir(path) as staging:  # crash-safe: no file under `path` is ever partial
-            save_pretrained_merged(self.student, staging)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(staging)
-            (staging / EXPORT_METADATA).write_text(json.dumps(provenance, indent=2))
-        return path
+        metadata = {EXPORT_METADATA: json.dumps(provenance, indent=2)}
+        return write_pretrained(self.student, directory, tokenizer, "student", metadata)  # crash-safe
 
     # --------------------------------------------------------------------------------------------------- helpers
 
     def _prepare_student(self) -> None:
-        if self.lora is not None:
-            add_lora(self.student, self.lora)
         prepare_trainable(
-            self.student, disable_dropout=self.disable_dropout, gradient_checkpointing=self.gradient_checkpointing
-        )
-
-    def _check_models(self) -> None:
-        vocab_size = self.student.get_output_embeddings().weight.shape[0]
-        if self.estimator == "topk" and self.top_k > vocab_size:
-            raise ValueError(f"top_k={self.top_k} exceeds the vocabulary size {vocab_size}")
-        if self.teacher is None:
-            return
-        teacher_vocab = self.teacher.get_output_embeddings().weight.shape[0]
-        if teacher_vocab != vocab_size:
-            raise ValueError(
-                f"vocabulary mismatch: `teacher` has {teacher_vocab} output ids, `student` {vocab_size}; distillation "
-                "needs a teacher and a student that share a tokenizer and output vocabulary"
-            )
-        if self._student_source is not None and self._teacher_source is not None:
-            sources = (self._student_source, self._teacher_source)
-            try:
-                fingerprints = {tokenizer_fingerprint(load_tokenizer(source)) for source in sources}
-            except (OSError, ValueError):  # a checkpoint shipped without a tokenizer: the vocabulary check stands
-                return
-            if len(fingerprints) > 1:
-                raise ValueError(
-                    f"tokenizer mismatch: `teacher` ({self._teacher_source}) and `student` ({self._student_source}) "
-                    "ship different tokenizers (same vocabulary size, different token ids); distillation needs one"
-                )
+            self.student, disable_dropout=self.disable_dropout, gradient_checkpointing=self.gradient_checkpointing,
+            lora=self.lora,
+        )  # fmt: skip
 
     def _draw_student_prefix(self, batch_idx: int) -> bool:
         if self.prefix_source != "mix":
             return self.prefix_source == "student"
-        generator = torch.Generator().manual_seed(_seed(self.sampling_seed, self.global_step, batch_idx, 0))
+        generator = torch.Generator().manual_seed(seed_of(self.sampling_seed, self.global_step, batch_idx, 0))
         return bool(torch.rand((), generator=generator) < self.student_prefix_probability)
 
     def _generator(self, batch_idx: int) -> torch.Generator:
         # Per rank: ranks sampling their different prompts with one random stream would draw correlated completions.
-        seed = _seed(self.sampling_seed, self.global_step, batch_idx, 1, self.global_rank)
+        seed = seed_of(self.sampling_seed, self.global_step, batch_idx, 1, self.global_rank)
         return torch.Generator(self.device).manual_seed(seed)
 
     def _generate(self, model: PreTrainedModel, prompts: PromptBatch, generator: torch.Generator | None) -> Rollout:
-        configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        configured = configured if isinstance(configured, list) else [configured]
-        with gathered(model, layers=True):  # FSDP2: the whole model for the decode loop
-            return generate(
-                model, prompts.prompt_ids, prompts.prompt_mask, max_new_tokens=self._max_new_tokens,
-                temperature=self.temperature, eos_token_id=sorted({*prompts.eos_token_ids, *filter(None, configured)}),
-                pad_token_id=prompts.pad_token_id, generator=generator,
-            )  # fmt: skip
+        return generate_prefixes(model, prompts, self._max_new_tokens, self.temperature, generator)
 
     def _hidden(self, model: PreTrainedModel, rollout: Rollout) -> Tensor:
         """``[B, N, H]`` teacher-forced hidden states of ``model`` predicting ``rollout``'s completions (dense view)."""
         return learner_hidden_states(model, rollout, shadow=False, layout=self.learner_layout).hidden
-
-    def _truncate(self, batch: CachedBatch) -> tuple[Rollout, tuple[Tensor, Tensor]]:
-        """The cached trajectories cut at ``max_new_tokens`` (cut ones marked ``"length"``) and their top-k."""
-        rollout, limit = batch.rollout, self._max_new_tokens
-        if rollout.completion_ids.shape[1] <= limit:
-            return rollout, (batch.topk_ids, batch.topk_logprobs)
-        cut = (rollout.completion_lengths > limit).tolist()
-        rollout = replace(
-            rollout,
-            completion_ids=rollout.completion_ids[:, :limit],
-            completion_mask=rollout.completion_mask[:, :limit],
-            logprobs=rollout.logprobs[:, :limit],
-            finish_reason=["length" if c else reason for c, reason in zip(cut, rollout.finish_reason, strict=True)],
-        )
-        return rollout, (batch.topk_ids[:, :limit], batch.topk_logprobs[:, :limit])
 
 
 @torch.no_grad()
@@ -592,9 +481,3 @@ def _chunked_argmax(hidden: Tensor, head: OutputHead, chunk_size: int) -> Tensor
     rows = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     top = [head(rows[s : s + chunk_size]).argmax(-1) for s in range(0, rows.shape[0], chunk_size)]
     return torch.cat(top).view(hidden.shape[:-1])
-
-
-def _seed(*parts: int) -> int:
-    """A deterministic 63-bit seed from integers (the hash of an int tuple does not depend on PYTHONHASHSEED)."""
-    return hash(parts) % 2**63
-

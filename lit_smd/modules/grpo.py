@@ -94,14 +94,14 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from transformers import PreTrainedModel
 
-from lit_smd.datamodules.experience import Experience, PhaseListener, ScoredRollout, report_phase
-from lit_smd.fsdp import fsdp_strategy, is_sharded, shard_model
+from lit_smd.datamodules.experience import Experience, PhaseListener, ScoredRollout
+from lit_smd.fsdp import is_sharded
 from lit_smd.kv import Compressor
-from lit_smd.learner import LearnerLayout, LearnerPass, check_learner_layout, dense_hidden_states, learner_hidden_states
-from lit_smd.lora import LoraSettings, add_lora, check_lora
-from lit_smd.losses.grpo import LossType, ScaleRewards, masked_mean, mismatch_stats, policy_loss
+from lit_smd.learner import LearnerLayout, LearnerPass, check_learner_layout, learner_hidden_states
+from lit_smd.lora import LoraSettings, check_lora
+from lit_smd.losses.grpo import LossType, ScaleRewards, policy_loss
 from lit_smd.losses.head import output_head
-from lit_smd.losses.kl import KLOutput, chunked_token_kl
+from lit_smd.losses.kl import KLOutput
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.losses.rollout_correction import RolloutCorrection, rollout_correction
 from lit_smd.losses.sparse_rl import SparseRLConfig
@@ -113,14 +113,24 @@ from lit_smd.modules._common import (
     NonFiniteGuard,
     OptimizerCallable,
     check_checkpoint_model,
-    check_tokenizer_fits,
     configure_optimizers,
     freeze,
+    load_frozen,
     prepare_trainable,
+    shard_models,
+    start_fit,
 )
-from lit_smd.modules._grpo_checks import check_grpo_args
+from lit_smd.modules._grpo_checks import check_grpo_args, check_training_batch, default_rollout_correction
 from lit_smd.modules._grpo_experience import ExperienceInProgress, build_experience
-from lit_smd.modules._grpo_metrics import rollout_correction_metrics
+from lit_smd.modules._grpo_metrics import (
+    log_learner_time,
+    log_step,
+    mismatch_metrics,
+    policy_metrics,
+    rollout_correction_metrics,
+    synchronize,
+)
+from lit_smd.modules._grpo_smd import smd_kl
 from lit_smd.rollout import Rollout
 
 __all__ = ["GRPOModule", "Mode"]
@@ -318,17 +328,7 @@ class GRPOModule(LightningModule):
         if isinstance(batch, ScoredRollout):
             batch = self._in_progress.minibatch(self, batch)  # the experience is built on the batch's first minibatch
             self._learner_start = time.perf_counter()  # time/learner_s: the learner's own work, as before
-        elif not isinstance(batch, Experience):
-            raise TypeError(
-                f"GRPOModule.training_step expects a ScoredRollout or an Experience batch, got {type(batch).__name__}; "
-                "train with lit_smd.datamodules.RolloutDataModule, or wrap a Rollout and its rewards in a ScoredRollout"
-            )
-        if batch.old_logprobs is None and batch.iteration > 0:
-            raise ValueError(
-                f"this Experience has no old_logprobs (built for one on-policy pass) but is trained at iteration "
-                f"{batch.iteration}: build it from a ScoredRollout with num_iterations=N and minibatch_size=M for N "
-                "passes of M-row minibatches"
-            )
+        check_training_batch(batch)  # an Experience, with old_logprobs unless on-policy
         rollout = batch.rollout
         smd_teacher = self.mode == "smd" and self.kl_coef > 0
         keep_prompt_kv = smd_teacher and self.kl_stop_gradient == "dense"  # the dense teacher reuses the prompt
@@ -343,33 +343,15 @@ class GRPOModule(LightningModule):
             loss_mask, token_weights = correction.mask, correction.weights
             metrics.update(rollout_correction_metrics(correction))
         out = policy_loss(
-            logprobs,
-            old_logprobs,
-            batch.advantages,
-            loss_mask,
-            epsilon=self.epsilon,
-            epsilon_high=self.epsilon_high,
-            loss_type=self.loss_type,
-            max_completion_length=batch.max_completion_length,
-            token_weights=token_weights,
-            ref_logprobs=batch.ref_logprobs,
-            beta=self.beta,
-        )
+            logprobs, old_logprobs, batch.advantages, loss_mask, epsilon=self.epsilon, epsilon_high=self.epsilon_high,
+            loss_type=self.loss_type, max_completion_length=batch.max_completion_length, token_weights=token_weights,
+            ref_logprobs=batch.ref_logprobs, beta=self.beta,
+        )  # fmt: skip
         loss = out.loss
         loss_parts = {"train/policy_loss": out.policy_loss}  # the terms of the loss, for the non-finite guard
         if self.beta > 0:
             loss_parts["train/kl_ref"] = out.kl
-        metrics |= {
-            "train/policy_loss": out.policy_loss,
-            "train/kl_ref": out.kl,
-            "train/entropy": masked_mean(entropy.detach(), rollout.completion_mask),
-            "train/clip_fraction": out.clip_fraction,
-            "train/clip_low_fraction": out.clip_low_fraction,
-            "train/clip_high_fraction": out.clip_high_fraction,
-            "train/ratio_mean": out.ratio_mean,
-            "train/ratio_min": out.ratio_min,
-            "train/ratio_max": out.ratio_max,
-        }
+        metrics |= policy_metrics(out, entropy, rollout.completion_mask)
         if smd_teacher:
             kl = self.smd_kl(rollout, batch.loss_mask, masked=learner)
             loss = loss + self.kl_coef * kl.loss
@@ -377,28 +359,10 @@ class GRPOModule(LightningModule):
             metrics["smd/kl"] = kl.forward_kl if self.kl_stop_gradient == "dense" else kl.reverse_kl
         self.nonfinite_guard.record({**loss_parts, "train/loss": loss})
         if batch.iteration == 0:
-            stats = mismatch_stats(old_logprobs, rollout.logprobs, rollout.completion_mask)
-            metrics["mismatch/logprob_abs_diff_mean"] = stats.abs_diff_mean
-            metrics["mismatch/logprob_abs_diff_max"] = stats.abs_diff_max
-            metrics["mismatch/k3_kl"] = stats.kl
+            metrics |= mismatch_metrics(old_logprobs, rollout)
         metrics["train/loss"] = loss.detach()
-        size = len(rollout)
-        self._log_over_ranks(metrics, size)
-        if batch.metrics:
-            self._log_over_ranks(batch.metrics, size)
-            if "rollout/reward_mean" in batch.metrics:
-                reward = batch.metrics["rollout/reward_mean"]
-                self.log("reward", reward, prog_bar=True, logger=False, batch_size=size, sync_dist=True)
+        log_step(self, metrics, batch.metrics, len(rollout))
         return loss
-
-    def _log_over_ranks(self, metrics: dict[str, Tensor | float], batch_size: int) -> None:
-        """Log per step, reduced over ranks (``sync_dist``): ``*_max`` keys by max, ``*_min`` by min, others by mean.
-
-        Every rank logs the same keys in the same order (the data side yields the same minibatch structure on each).
-        """
-        for key, value in metrics.items():
-            reduce = "max" if key.endswith("_max") else "min" if key.endswith("_min") else "mean"
-            self.log(key, value, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=True, reduce_fx=reduce)
 
     # ----------------------------------------------------------------------------------------------- evaluation
 
@@ -417,55 +381,11 @@ class GRPOModule(LightningModule):
         """
 
     def smd_kl(self, rollout: Rollout, mask: Tensor, masked: LearnerPass | None = None) -> KLOutput:
-        """SMD's distillation term between the dense and the shadow-masked views of the policy.
-
-        ``kl_stop_gradient="dense"``: ``KL(sg[dense] || masked)``, the dense pass under ``no_grad`` as the teacher and
-        the masked pass as the student. With the shared-prefix layout the teacher reuses the masked pass's prompt keys
-        and values (the prompt's hidden states are the same in both views) and runs only the completions
-        (`lit_smd.learner.dense_hidden_states`). ``"masked"``: ``KL(dense || sg[masked])``, gradient into
-        the dense pass.
-
-        Args:
-            rollout: A compressed rollout (with a shadow mask).
-            mask: ``[B, N]`` bool, the tokens averaged over.
-            masked: The masked pass if already run (with ``keep_prompt_kv=True`` for the teacher to reuse its prompt).
-
-        Returns:
-            ``KLOutput``; its ``loss`` is the token-mean KL, ``forward_kl`` (dense) / ``reverse_kl`` (masked) its value.
+        """SMD's distillation term between the dense and the shadow-masked views of the policy
+        (`lit_smd.modules._grpo_smd.smd_kl`: ``KL(sg[dense] || masked)`` or, with ``kl_stop_gradient="masked"``,
+        ``KL(dense || sg[masked])``), the token mean over ``mask [B, N]``; ``masked``: the masked pass if already run.
         """
-        head = output_head(self.policy)
-        if masked is None:
-            masked = self._pass(self.policy, rollout, shadow=True, keep_prompt_kv=self.kl_stop_gradient == "dense")
-        masked_hidden = masked.hidden  # [B, N, H]
-        common = {"temperature": self.temperature, "mask": mask, "chunk_size": self.logits_chunk_size}
-        if self.kl_stop_gradient == "dense":
-            with torch.no_grad(), report_phase(self, "teacher"):
-                dense_hidden = dense_hidden_states(self.policy, rollout, masked)  # [B, N, H]
-            return chunked_token_kl(
-                masked_hidden,
-                head.weight,
-                dense_hidden,
-                teacher_lm_head_weight=head.weight,
-                lm_head_bias=head.bias,
-                teacher_lm_head_bias=head.bias,
-                logit_transform=head.transform,
-                teacher_logit_transform=head.transform,
-                **common,
-            )
-        dense_hidden = self._pass(self.policy, rollout, shadow=False).hidden  # [B, N, H]
-        return chunked_token_kl(
-            dense_hidden,
-            head.weight,
-            masked_hidden.detach(),
-            teacher_lm_head_weight=head.weight,
-            lm_head_bias=head.bias,
-            teacher_lm_head_bias=head.bias,
-            logit_transform=head.transform,
-            teacher_logit_transform=head.transform,
-            forward_weight=0.0,
-            reverse_weight=1.0,
-            **common,
-        )
+        return smd_kl(self, rollout, mask, masked)
 
     def configure_optimizers(self) -> object:
         """The injected optimizer (default AdamW, lr 1e-6) over the policy, with the scheduler stepped per step."""
@@ -479,16 +399,10 @@ class GRPOModule(LightningModule):
         if self.policy is None:
             self.policy = load_causal_lm(self._policy_source, dtype=self.model_dtype)
             self._prepare_policy()
-        if self.reference is None and self._reference_source is not None:
-            self._frozen["reference"] = freeze(
-                load_causal_lm(self._reference_source, dtype=self.model_dtype, quantization=self.reference_quantization)
-            )
+        load_frozen(self._frozen, "reference", self._reference_source, self.model_dtype, self.reference_quantization)
         if self.reference is None and self.beta > 0 and self.lora is None:
             self._frozen["reference"] = freeze(copy.deepcopy(self.policy))
-        if (strategy := fsdp_strategy(self)) is not None:  # FSDP2: policy and reference sharded (docs/distributed.md)
-            shard_model(self.policy, strategy)
-            if self.reference is not None:
-                shard_model(self.reference, strategy)
+        shard_models(self, self.policy, self.reference)  # FSDP2: policy and reference sharded
 
     @property
     def reference_is_base(self) -> bool:
@@ -497,40 +411,23 @@ class GRPOModule(LightningModule):
         return self.lora is not None and self.beta > 0 and self.reference is None and self._reference_source is None
 
     def _prepare_policy(self) -> None:
-        if self.lora is not None:
-            add_lora(self.policy, self.lora)
         prepare_trainable(
-            self.policy, disable_dropout=self.disable_dropout, gradient_checkpointing=self.gradient_checkpointing
-        )
+            self.policy, disable_dropout=self.disable_dropout, gradient_checkpointing=self.gradient_checkpointing,
+            lora=self.lora,
+        )  # fmt: skip
 
     def on_fit_start(self) -> None:
-        # from_pretrained returns eval-mode models and Lightning keeps the mode it finds; the learner trains in train
-        # mode (activation checkpointing needs it; dropout is off unless disable_dropout=False).
-        self.policy.train()
-        reference = self.reference
-        if reference is not None and getattr(reference, "hf_quantizer", None) is None:
-            reference.to(self.device)  # not a child module; quantized weights stay where bitsandbytes put them
-        check_tokenizer_fits(self.policy, self.trainer.datamodule, "policy")
+        start_fit(self, "policy", self.reference)  # train mode, the reference on the device, the tokenizer checked
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.nonfinite_guard.check(self)  # skip or stop on NaN / inf, before gradient clipping and the step
 
     def on_train_batch_start(self, batch: Experience, batch_idx: int) -> None:
-        _synchronize(self.device)
+        synchronize(self.device)
         self._learner_start = time.perf_counter()
 
     def on_train_batch_end(self, outputs: object, batch: Experience, batch_idx: int) -> None:
-        if self._learner_start is None:
-            return
-        _synchronize(self.device)
-        self.log(
-            "time/learner_s",
-            time.perf_counter() - self._learner_start,
-            on_step=True,
-            on_epoch=False,
-            batch_size=len(batch.rollout),
-            sync_dist=True,
-        )
+        log_learner_time(self, self._learner_start, len(batch.rollout))
         self._learner_start = None
 
     # ------------------------------------------------------------------------------- experience (data interface)
@@ -596,13 +493,3 @@ class GRPOModule(LightningModule):
             logprobs, _ = self._token_logprobs(model, hidden, rows.completion_ids)
             parts.append(logprobs.masked_fill(~rows.completion_mask, 0.0))
         return torch.cat(parts)
-
-
-def default_rollout_correction(mode: str) -> RolloutCorrection:
-    """The rollout correction a mode uses when none is given (see the module docstring)."""
-    return RolloutCorrection("sequence_mask") if mode in ("dense", "smd") else RolloutCorrection("none")
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

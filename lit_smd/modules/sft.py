@@ -25,7 +25,6 @@ Logged keys (TensorBoard)
     the DataModule has validation rows).
 """
 
-import warnings
 from pathlib import Path
 
 import torch
@@ -33,12 +32,10 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
-from lit_smd.atomic import publish_dir
 from lit_smd.datamodules.sft import IGNORE_INDEX
-from lit_smd.fsdp import fsdp_strategy, shard_model, unsharded_attribute
 from lit_smd.losses.head import output_head
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
-from lit_smd.models import load_causal_lm, load_tokenizer
+from lit_smd.models import load_causal_lm
 from lit_smd.modules._common import (
     LRSchedulerCallable,
     ModelDType,
@@ -47,9 +44,13 @@ from lit_smd.modules._common import (
     OptimizerCallable,
     check_checkpoint_model,
     check_model_args,
-    check_tokenizer_fits,
     configure_optimizers,
+    export_at_train_end,
+    export_tokenizer,
     prepare_trainable,
+    shard_models,
+    start_fit,
+    write_pretrained,
 )
 
 __all__ = ["SFTModule"]
@@ -186,26 +187,19 @@ class SFTModule(LightningModule):
         if self.policy is None:
             self.policy = load_causal_lm(self._policy_source, dtype=self.model_dtype)
             self._prepare_policy()
-        if (strategy := fsdp_strategy(self)) is not None:
-            shard_model(self.policy, strategy)
+        shard_models(self, self.policy)
 
     def on_load_checkpoint(self, checkpoint: dict[str, object]) -> None:
         check_checkpoint_model(self, checkpoint, "policy")
 
     def on_fit_start(self) -> None:
-        # from_pretrained and build_tiny_model return eval-mode models, and Lightning keeps the mode it finds.
-        self.policy.train()
-        check_tokenizer_fits(self.policy, self.trainer.datamodule, "policy")
+        start_fit(self, "policy")  # train mode (build_tiny_model returns eval-mode models too), tokenizer checked
 
     def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
         self.nonfinite_guard.check(self)  # skip or stop on NaN / inf, before gradient clipping and the step
 
     def on_train_end(self) -> None:
-        if self.export_dir is None:
-            return
-        with unsharded_attribute(self, "policy"):  # under FSDP2 every rank gathers, rank 0 writes
-            if self.trainer.is_global_zero:
-                self.export_policy(self.export_dir, tokenizer=getattr(self.trainer.datamodule, "tokenizer", None))
+        export_at_train_end(self, "policy", self.export_policy)  # with export_dir: under FSDP2 every rank gathers
 
     def export_policy(self, directory: str | Path, tokenizer: PreTrainedTokenizerBase | None = None) -> Path:
         """Write the policy and its tokenizer with ``save_pretrained``.
@@ -221,22 +215,8 @@ class SFTModule(LightningModule):
         Raises:
             ValueError: The tokenizer has more tokens than the policy has output ids.
         """
-        if tokenizer is None and self._policy_source is not None:
-            try:
-                tokenizer = load_tokenizer(self._policy_source)
-            except (OSError, ValueError):
-                tokenizer = None
-        vocab_size = self.policy.get_output_embeddings().weight.shape[0]
-        if tokenizer is not None and len(tokenizer) > vocab_size:
-            raise ValueError(f"tokenizer has {len(tokenizer)} tokens, more than the policy's {vocab_size} output ids")
-        path = Path(directory)
-        with publish_dir(path) as staging:  # crash-safe: no file under `path` is ever partial
-            self.policy.save_pretrained(staging)
-            if tokenizer is not None:
-                tokenizer.save_pretrained(staging)
-        if tokenizer is None:
-            warnings.warn(f"the policy is exported to {path} without a tokenizer", stacklevel=2)
-        return path
+        tokenizer = export_tokenizer(self.policy, tokenizer, self._policy_source, "policy")
+        return write_pretrained(self.policy, directory, tokenizer, "policy")  # crash-safe
 
     def _prepare_policy(self) -> None:
         prepare_trainable(

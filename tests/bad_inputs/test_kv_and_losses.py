@@ -19,6 +19,7 @@ from lit_smd.losses import (
     token_logprobs_and_entropy,
     topk_token_kl,
 )
+from lit_smd.losses.head import OutputHead
 from lit_smd.rollout import generate
 
 NAN, INF = math.nan, math.inf
@@ -159,6 +160,7 @@ def test_generate_rejects_before_any_forward(kwargs, pattern, tiny_policy):
 B, N, V, H = 2, 3, 7, 4
 LOGITS = torch.randn(B, N, V)
 HIDDEN, WEIGHT = torch.randn(B, N, H), torch.randn(V, H)
+HEAD = OutputHead(WEIGHT)
 TOKEN_IDS = torch.randint(0, V, (B, N))
 TOPK_IDS, TOPK_LOGPROBS = torch.randint(0, V, (B, N, 3)), torch.randn(B, N, 3)
 LOGPROBS, MASK_BN = torch.randn(B, N), torch.ones(B, N, dtype=torch.bool)
@@ -184,14 +186,14 @@ LOSS_ERRORS = [
      r"mask shape \(2, 4\) != token shape \(2, 3\)"),
     ("token_kl: 1-D logits", lambda: token_kl(LOGITS[0, 0], LOGITS[0, 0]),
      r"student_logits must be \[N, V\] or \[B, T, V\], got shape \(7,\)"),
-    ("chunked_token_kl: zero chunk", lambda: chunked_token_kl(HIDDEN, WEIGHT, LOGITS, chunk_size=0),
+    ("chunked_token_kl: zero chunk", lambda: chunked_token_kl(HIDDEN, HEAD, LOGITS, chunk_size=0),
      r"chunk_size must be >= 1, got 0"),
-    ("chunked_token_kl: lm_head shape", lambda: chunked_token_kl(HIDDEN, torch.randn(V, H + 1), LOGITS),
-     r"lm_head_weight must be \[V, H\] with H = student_hidden.shape\[-1\] = 4, got shape \(7, 5\)"),
+    ("chunked_token_kl: lm_head shape", lambda: chunked_token_kl(HIDDEN, OutputHead(torch.randn(V, H + 1)), LOGITS),
+     r"head.weight must be \[V, H\] with H = student_hidden.shape\[-1\] = 4, got shape \(7, 5\)"),
     ("chunked_token_kl: teacher vocabulary",
-     lambda: chunked_token_kl(HIDDEN, WEIGHT, HIDDEN, teacher_lm_head_weight=torch.randn(V + 1, H)),
-     r"vocabulary mismatch: student vocab size 7 \(lm_head_weight.shape\[0\]\) != teacher vocab size 8"),
-    ("chunked_token_kl: zero normalizer", lambda: chunked_token_kl(HIDDEN, WEIGHT, LOGITS, normalizer=0),
+     lambda: chunked_token_kl(HIDDEN, HEAD, HIDDEN, teacher_head=OutputHead(torch.randn(V + 1, H))),
+     r"vocabulary mismatch: student vocab size 7 \(head.weight.shape\[0\]\) != teacher vocab size 8"),
+    ("chunked_token_kl: zero normalizer", lambda: chunked_token_kl(HIDDEN, HEAD, LOGITS, normalizer=0),
      r"normalizer must be > 0, got 0"),
     ("topk_token_kl: k = 0", lambda: topk_token_kl(LOGITS, TOPK_IDS[..., :0], TOPK_LOGPROBS[..., :0]),
      r"teacher_topk_ids: k must be in \[1, vocab size 7\], got k=0"),

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lit_smd.losses.head import LogitTransform, output_head
+from lit_smd.losses.head import LogitTransform, OutputHead, output_head
 from lit_smd.losses.kl import chunked_token_kl, token_kl
 from lit_smd.losses.kl_topk import topk_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
@@ -92,9 +92,9 @@ def test_chunked_token_kl_applies_both_transforms_with_their_gradients(forward_w
     teacher_hidden, teacher_weight, _ = _inputs(seed=2)
     teacher_transform = LogitTransform(scale=2.0)
     out = chunked_token_kl(
-        hidden, weight, teacher_hidden, teacher_lm_head_weight=teacher_weight, lm_head_bias=bias,
-        forward_weight=forward_weight, reverse_weight=reverse_weight, temperature=0.7, chunk_size=3,
-        logit_transform=TRANSFORM, teacher_logit_transform=teacher_transform,
+        hidden, OutputHead(weight, bias, TRANSFORM), teacher_hidden,
+        teacher_head=OutputHead(teacher_weight, transform=teacher_transform), forward_weight=forward_weight,
+        reverse_weight=reverse_weight, temperature=0.7, chunk_size=3,
     )  # fmt: skip
     reference = token_kl(
         _reference_logits(hidden, weight, bias), (teacher_hidden @ teacher_weight.T) * 2.0,
@@ -111,8 +111,8 @@ def test_topk_token_kl_applies_the_transform_with_its_gradient():
     g = torch.Generator().manual_seed(3)
     teacher = torch.log_softmax(torch.randn(2, 5, 11, dtype=torch.float64, generator=g), -1).topk(4, dim=-1)
     out = topk_token_kl(
-        hidden, teacher.indices, teacher.values, lm_head_weight=weight, lm_head_bias=bias, tail="bucket",
-        reverse_weight=0.5, chunk_size=3, logit_transform=TRANSFORM,
+        hidden, teacher.indices, teacher.values, head=OutputHead(weight, bias, TRANSFORM), tail="bucket",
+        reverse_weight=0.5, chunk_size=3,
     )  # fmt: skip
     reference = topk_token_kl(
         _reference_logits(hidden, weight, bias), teacher.indices, teacher.values, tail="bucket", reverse_weight=0.5

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import Tensor
 
+from lit_smd.losses.head import OutputHead
 from lit_smd.losses.kl import KLOutput, chunked_token_kl, sampled_reverse_kl, token_kl
 from lit_smd.losses.kl_topk import topk_token_kl
 
@@ -136,8 +137,8 @@ def test_chunked_matches_naive_with_teacher_hidden(chunk_size: int, weights: tup
     teacher_logits = p["t_hidden"] @ p["t_weight"].T + p["t_bias"]
     naive = token_kl(student_logits, teacher_logits, mask=p["mask"], **kwargs)
     out = chunked_token_kl(
-        p["hidden"], p["weight"], p["t_hidden"], teacher_lm_head_weight=p["t_weight"], lm_head_bias=p["bias"],
-        teacher_lm_head_bias=p["t_bias"], mask=p["mask"], chunk_size=chunk_size, **kwargs,
+        p["hidden"], OutputHead(p["weight"], p["bias"]), p["t_hidden"],
+        teacher_head=OutputHead(p["t_weight"], p["t_bias"]), mask=p["mask"], chunk_size=chunk_size, **kwargs,
     )  # fmt: skip
     assert isinstance(out, KLOutput)
     torch.testing.assert_close(out.loss, naive, rtol=1e-12, atol=1e-14)
@@ -156,7 +157,7 @@ def test_chunked_matches_naive_with_teacher_logits_and_batch_shape(chunk_size: i
     kwargs = {"forward_weight": 0.5, "reverse_weight": 0.5, "temperature": 1.5, "mask": mask}
     naive = token_kl(hidden @ p["weight"].T, teacher_logits, **kwargs)
     teacher_before = teacher_logits.clone()
-    out = chunked_token_kl(hidden, p["weight"], teacher_logits, chunk_size=chunk_size, **kwargs)
+    out = chunked_token_kl(hidden, OutputHead(p["weight"]), teacher_logits, chunk_size=chunk_size, **kwargs)
     assert torch.equal(teacher_logits, teacher_before)  # the caller's logits are not scaled in place
     torch.testing.assert_close(out.loss, naive, rtol=1e-12, atol=1e-14)
     for got, want in zip(_grads(out.loss, p["hidden"], p["weight"]), _grads(naive, p["hidden"], p["weight"]),
@@ -169,8 +170,8 @@ def test_chunked_stats_and_float_weights():
     weights = torch.rand(10, generator=_gen(5), dtype=DT)
     student_logits = p["hidden"] @ p["weight"].T
     teacher_logits = p["t_hidden"] @ p["t_weight"].T
-    out = chunked_token_kl(p["hidden"], p["weight"], teacher_logits, forward_weight=0.8, reverse_weight=0.2,
-                           mask=weights, chunk_size=3)  # fmt: skip
+    out = chunked_token_kl(p["hidden"], OutputHead(p["weight"]), teacher_logits, forward_weight=0.8,
+                           reverse_weight=0.2, mask=weights, chunk_size=3)  # fmt: skip
     log_q, log_p = torch.log_softmax(student_logits, -1), torch.log_softmax(teacher_logits, -1)
     fkl, rkl = _manual_kl(log_p, log_q), _manual_kl(log_q, log_p)
     entropy = -(log_q.exp() * log_q).sum(-1)
@@ -186,9 +187,10 @@ def test_chunked_stats_and_float_weights():
 def test_chunked_explicit_normalizer():
     p = _linear_problem(seed=3)
     teacher_logits = p["t_hidden"] @ p["t_weight"].T
-    mean = chunked_token_kl(p["hidden"], p["weight"], teacher_logits, mask=p["mask"], chunk_size=4)
-    summed = chunked_token_kl(p["hidden"], p["weight"], teacher_logits, mask=p["mask"], normalizer=1.0)
-    scaled = chunked_token_kl(p["hidden"], p["weight"], teacher_logits, mask=p["mask"], normalizer=torch.tensor(40.0))
+    head = OutputHead(p["weight"])
+    mean = chunked_token_kl(p["hidden"], head, teacher_logits, mask=p["mask"], chunk_size=4)
+    summed = chunked_token_kl(p["hidden"], head, teacher_logits, mask=p["mask"], normalizer=1.0)
+    scaled = chunked_token_kl(p["hidden"], head, teacher_logits, mask=p["mask"], normalizer=torch.tensor(40.0))
     torch.testing.assert_close(summed.loss, mean.loss * p["mask"].sum())
     torch.testing.assert_close(scaled.loss, summed.loss / 40)
     torch.testing.assert_close(scaled.forward_kl, mean.forward_kl)  # stats stay means over valid tokens
@@ -198,7 +200,8 @@ def test_chunked_teacher_gets_no_gradient_even_when_sharing_the_lm_head():
     """SMD: dense teacher and masked student through the same lm_head; only the student side is differentiated."""
     p = _linear_problem(seed=4)
     dense_hidden = torch.randn(10, H, generator=_gen(30), dtype=DT).requires_grad_()  # a teacher that requires grad
-    out = chunked_token_kl(p["hidden"], p["weight"], dense_hidden, teacher_lm_head_weight=p["weight"], chunk_size=3)
+    head = OutputHead(p["weight"])
+    out = chunked_token_kl(p["hidden"], head, dense_hidden, teacher_head=head, chunk_size=3)
     naive = token_kl(p["hidden"] @ p["weight"].T, (dense_hidden @ p["weight"].T).detach())
     got = torch.autograd.grad(out.loss, (p["hidden"], p["weight"], dense_hidden), allow_unused=True)
     want = _grads(naive, p["hidden"], p["weight"])
@@ -211,7 +214,9 @@ def test_chunked_reverse_switch_differentiates_the_other_side():
     """KL(dense || sg[masked]) = reverse direction with the dense pass as the student."""
     p = _linear_problem(seed=5)
     masked_logits = (p["t_hidden"] @ p["t_weight"].T).detach()
-    out = chunked_token_kl(p["hidden"], p["weight"], masked_logits, forward_weight=0, reverse_weight=1, chunk_size=4)
+    out = chunked_token_kl(
+        p["hidden"], OutputHead(p["weight"]), masked_logits, forward_weight=0, reverse_weight=1, chunk_size=4
+    )
     dense_logp = torch.log_softmax(p["hidden"] @ p["weight"].T, -1)
     direct = _manual_kl(dense_logp, torch.log_softmax(masked_logits, -1)).mean()
     torch.testing.assert_close(out.loss, direct)
@@ -222,11 +227,11 @@ def test_chunked_frozen_lm_head_and_no_grad():
     p = _linear_problem(seed=6)
     weight = p["weight"].detach()
     teacher_logits = p["t_hidden"] @ p["t_weight"].T
-    out = chunked_token_kl(p["hidden"], weight, teacher_logits, chunk_size=4)
+    out = chunked_token_kl(p["hidden"], OutputHead(weight), teacher_logits, chunk_size=4)
     naive = token_kl(p["hidden"] @ weight.T, teacher_logits)
     torch.testing.assert_close(_grads(out.loss, p["hidden"])[0], _grads(naive, p["hidden"])[0])
     with torch.no_grad():
-        frozen = chunked_token_kl(p["hidden"], p["weight"], teacher_logits, chunk_size=4)
+        frozen = chunked_token_kl(p["hidden"], OutputHead(p["weight"]), teacher_logits, chunk_size=4)
     assert not frozen.loss.requires_grad
     torch.testing.assert_close(frozen.loss, naive.detach())
 
@@ -234,7 +239,7 @@ def test_chunked_frozen_lm_head_and_no_grad():
 def test_chunked_backward_scales_with_upstream_gradient():
     p = _linear_problem(seed=7)
     teacher_logits = p["t_hidden"] @ p["t_weight"].T
-    out = chunked_token_kl(p["hidden"], p["weight"], teacher_logits, chunk_size=4)
+    out = chunked_token_kl(p["hidden"], OutputHead(p["weight"]), teacher_logits, chunk_size=4)
     naive = token_kl(p["hidden"] @ p["weight"].T, teacher_logits)
     torch.testing.assert_close(_grads(0.1 * out.loss, p["weight"])[0], _grads(0.1 * naive, p["weight"])[0])
 
@@ -244,7 +249,7 @@ def test_neg_inf_teacher_logits_stay_finite():
     teacher = (p["t_hidden"] @ p["t_weight"].T).detach()
     teacher[:, -2:] = -torch.inf  # e.g. a masked, padded vocabulary
     naive = token_kl(p["hidden"] @ p["weight"].T, teacher)
-    out = chunked_token_kl(p["hidden"], p["weight"], teacher, chunk_size=3)
+    out = chunked_token_kl(p["hidden"], OutputHead(p["weight"]), teacher, chunk_size=3)
     assert torch.isfinite(naive) and torch.isfinite(out.forward_kl)
     torch.testing.assert_close(out.loss, naive)
     for got, want in zip(_grads(out.loss, p["hidden"], p["weight"]), _grads(naive, p["hidden"], p["weight"]),
@@ -280,8 +285,8 @@ def test_topk_chunked_matches_topk_on_logits(tail: str, k: int):
     ids, logprobs = _topk(p["t_hidden"] @ p["t_weight"].T, k)
     kwargs = {"tail": tail, "forward_weight": 0.6, "reverse_weight": 0.4, "temperature": 0.9, "mask": p["mask"]}
     plain = topk_token_kl(p["hidden"] @ p["weight"].T + p["bias"], ids, logprobs, **kwargs)
-    chunked = topk_token_kl(p["hidden"], ids, logprobs, lm_head_weight=p["weight"], lm_head_bias=p["bias"],
-                            chunk_size=3, **kwargs)  # fmt: skip
+    chunked = topk_token_kl(p["hidden"], ids, logprobs, head=OutputHead(p["weight"], p["bias"]), chunk_size=3,
+                            **kwargs)  # fmt: skip
     for got, want in zip(chunked, plain, strict=True):
         torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-14)
     inputs = (p["hidden"], p["weight"], p["bias"])
@@ -323,18 +328,19 @@ def test_all_masked_returns_zero_with_gradient_path():
     none = torch.zeros(10, dtype=torch.bool)
     ids, logprobs = _topk(teacher, 3)
     student = lambda: p["hidden"] @ p["weight"].T  # noqa: E731  (a fresh graph per loss)
+    head = OutputHead(p["weight"])
     losses = [
         token_kl(student(), teacher, forward_weight=0.5, reverse_weight=0.5, mask=none),
-        chunked_token_kl(p["hidden"], p["weight"], teacher, reverse_weight=1, mask=none, chunk_size=3).loss,
+        chunked_token_kl(p["hidden"], head, teacher, reverse_weight=1, mask=none, chunk_size=3).loss,
         topk_token_kl(student(), ids, logprobs, tail="bucket", reverse_weight=1, mask=none).loss,
-        topk_token_kl(p["hidden"], ids, logprobs, lm_head_weight=p["weight"], mask=none, chunk_size=3).loss,
+        topk_token_kl(p["hidden"], ids, logprobs, head=head, mask=none, chunk_size=3).loss,
         sampled_reverse_kl(student()[:, :2], teacher[:, :2], none[:, None].expand(10, 2)),
     ]
     for loss in losses:
         assert loss.item() == 0 and loss.requires_grad
         for grad in _grads(loss, p["hidden"], p["weight"]):
             assert torch.equal(grad, torch.zeros_like(grad))
-    stats = chunked_token_kl(p["hidden"], p["weight"], teacher, mask=none)
+    stats = chunked_token_kl(p["hidden"], head, teacher, mask=none)
     assert stats.forward_kl.item() == 0 and stats.num_tokens.item() == 0
 
 
@@ -345,7 +351,7 @@ def test_float32_inputs_and_bfloat16_chunked_close_to_naive():
         weight = p["weight"].detach().to(dtype).requires_grad_()
         teacher = p["t_hidden"].to(dtype)
         t_weight = p["t_weight"].to(dtype)
-        out = chunked_token_kl(hidden, weight, teacher, teacher_lm_head_weight=t_weight, chunk_size=5)
+        out = chunked_token_kl(hidden, OutputHead(weight), teacher, teacher_head=OutputHead(t_weight), chunk_size=5)
         naive = token_kl(hidden @ weight.T, teacher @ t_weight.T)
         assert out.loss.dtype == torch.float32
         torch.testing.assert_close(out.loss, naive, rtol=tol, atol=tol)
@@ -357,11 +363,12 @@ def test_float32_inputs_and_bfloat16_chunked_close_to_naive():
 def test_validation_errors():
     student, teacher = _logits(4, seed=20), _logits(4, seed=21)
     p = _linear_problem(n=4, seed=11)
+    head = OutputHead(p["weight"])
     ids, logprobs = _topk(teacher.detach(), 3)
     with pytest.raises(ValueError, match="forward_weight and reverse_weight"):
         token_kl(student, teacher, forward_weight=0.0, reverse_weight=0.0)
     with pytest.raises(ValueError, match="forward_weight"):
-        chunked_token_kl(p["hidden"], p["weight"], teacher, forward_weight=-0.1)
+        chunked_token_kl(p["hidden"], OutputHead(p["weight"]), teacher, forward_weight=-0.1)
     with pytest.raises(ValueError, match="reverse_weight"):
         topk_token_kl(student, ids, logprobs, reverse_weight=-1.0)
     for tau in (0.0, -1.0):
@@ -381,17 +388,17 @@ def test_validation_errors():
     with pytest.raises(ValueError, match=f"student vocab size {V} .*teacher vocab size {V + 1}"):
         token_kl(student, torch.zeros(4, V + 1, dtype=DT))
     with pytest.raises(ValueError, match=f"student vocab size {V} .*teacher vocab size {V - 1}"):
-        chunked_token_kl(p["hidden"], p["weight"], torch.zeros(4, V - 1, dtype=DT))
+        chunked_token_kl(p["hidden"], OutputHead(p["weight"]), torch.zeros(4, V - 1, dtype=DT))
     with pytest.raises(ValueError, match=f"student vocab size {V} .*teacher vocab size 3"):
-        chunked_token_kl(p["hidden"], p["weight"], p["t_hidden"], teacher_lm_head_weight=p["t_weight"][:3])
-    with pytest.raises(ValueError, match="teacher_lm_head_weight must be"):
-        chunked_token_kl(p["hidden"], p["weight"], p["t_hidden"], teacher_lm_head_weight=p["weight"])
-    with pytest.raises(ValueError, match="lm_head_weight must be"):
-        chunked_token_kl(p["hidden"], p["weight"][:, :2], teacher)
-    with pytest.raises(ValueError, match="lm_head_bias"):
-        chunked_token_kl(p["hidden"], p["weight"], teacher, lm_head_bias=p["bias"][:3])
+        chunked_token_kl(p["hidden"], head, p["t_hidden"], teacher_head=OutputHead(p["t_weight"][:3]))
+    with pytest.raises(ValueError, match=r"teacher_head\.weight must be"):
+        chunked_token_kl(p["hidden"], head, p["t_hidden"], teacher_head=head)
+    with pytest.raises(ValueError, match=r"head\.weight must be"):
+        chunked_token_kl(p["hidden"], OutputHead(p["weight"][:, :2]), teacher)
+    with pytest.raises(ValueError, match=r"head\.bias"):
+        chunked_token_kl(p["hidden"], OutputHead(p["weight"], p["bias"][:3]), teacher)
     with pytest.raises(ValueError, match="teacher shape"):
-        chunked_token_kl(p["hidden"], p["weight"], teacher[:3])
+        chunked_token_kl(p["hidden"], OutputHead(p["weight"]), teacher[:3])
     with pytest.raises(ValueError, match="teacher_logits shape"):
         token_kl(student, teacher[:3])
     with pytest.raises(ValueError, match="mask shape"):
@@ -401,6 +408,6 @@ def test_validation_errors():
     with pytest.raises(ValueError, match="teacher_logprobs shape"):
         sampled_reverse_kl(student[:, :2], teacher[:, :3])
     with pytest.raises(ValueError, match="chunk_size"):
-        chunked_token_kl(p["hidden"], p["weight"], teacher, chunk_size=0)
+        chunked_token_kl(p["hidden"], OutputHead(p["weight"]), teacher, chunk_size=0)
     with pytest.raises(ValueError, match="normalizer"):
-        chunked_token_kl(p["hidden"], p["weight"], teacher, normalizer=0)
+        chunked_token_kl(p["hidden"], OutputHead(p["weight"]), teacher, normalizer=0)
