@@ -13,47 +13,71 @@ reverse direction with the dense pass as the student, so the gradient flows into
 repository's code uses neither (a sampled-token hinge against rollout log-probs); it is not reproduced.
 """
 
-from __future__ import annotations
-
-from typing import TYPE_CHECKING
+from typing import Literal
 
 import torch
 from torch import Tensor
+from transformers import PreTrainedModel
 
 from lit_smd.datamodules.experience import report_phase
-from lit_smd.learner import LearnerPass, dense_hidden_states
+from lit_smd.fsdp import is_sharded
+from lit_smd.learner import LearnerLayout, LearnerPass, dense_hidden_states, learner_hidden_states
 from lit_smd.losses.head import output_head
 from lit_smd.losses.kl import KLOutput, chunked_token_kl
 from lit_smd.rollout import Rollout
 
-if TYPE_CHECKING:
-    from lit_smd.modules.grpo import GRPOModule
+
+def grpo_pass(
+    model: PreTrainedModel, rollout: Rollout, layout: LearnerLayout, *, shadow: bool, keep_prompt_kv: bool = False
+) -> LearnerPass:
+    """One teacher-forced pass of ``model`` over ``rollout`` in ``layout``, as GRPO runs it.
+
+    Under FSDP2 the shadow view runs per row: which rows can share a prompt depends on each rank's own shadow masks,
+    and a rank with rows of both kinds would run the decoder (and its per-layer all-gathers) twice.
+    """
+    layout = "per_row" if shadow and is_sharded(model) else layout
+    return learner_hidden_states(model, rollout, shadow=shadow, layout=layout, keep_prompt_kv=keep_prompt_kv)
 
 
-def smd_kl(module: GRPOModule, rollout: Rollout, mask: Tensor, masked: LearnerPass | None = None) -> KLOutput:
-    """SMD's distillation term between the dense and the shadow-masked views of ``module``'s policy.
-
-    The dense teacher pass runs as the module's ``"teacher"`` phase (`lit_smd.datamodules.experience.report_phase`).
+def smd_kl(
+    policy: PreTrainedModel,
+    rollout: Rollout,
+    mask: Tensor,
+    *,
+    layout: LearnerLayout,
+    stop_gradient: Literal["dense", "masked"],
+    temperature: float,
+    chunk_size: int,
+    masked: LearnerPass | None = None,
+    phase_owner: object = None,
+) -> KLOutput:
+    """SMD's distillation term between the dense and the shadow-masked views of ``policy``.
 
     Args:
-        module: The learner (its ``policy``, ``kl_stop_gradient``, ``temperature``, ``logits_chunk_size`` and passes).
+        policy: The policy (one set of weights, both views).
         rollout: A compressed rollout (with a shadow mask).
         mask: ``[B, N]`` bool, the tokens averaged over.
-        masked: The masked pass if already run (with ``keep_prompt_kv=True`` for the teacher to reuse its prompt).
+        layout: The learner layout of the passes (see `grpo_pass`).
+        stop_gradient: ``"dense"``: ``KL(sg[dense] || masked)``; ``"masked"``: ``KL(dense || sg[masked])``.
+        temperature: Sampling temperature the logits are divided by.
+        chunk_size: Tokens per chunk of the KL's vocabulary projection.
+        masked: The masked pass if already run (with ``keep_prompt_kv=True`` for the dense teacher to reuse its
+            prompt).
+        phase_owner: Whose ``phase_listeners`` hear the dense teacher pass as the ``"teacher"`` phase
+            (`lit_smd.datamodules.experience.report_phase`); the module.
 
     Returns:
         ``KLOutput``; its ``loss`` is the token-mean KL, ``forward_kl`` (dense) / ``reverse_kl`` (masked) its value.
     """
-    policy = module.policy
     head = output_head(policy)
     if masked is None:
-        masked = module._pass(policy, rollout, shadow=True, keep_prompt_kv=module.kl_stop_gradient == "dense")
+        masked = grpo_pass(policy, rollout, layout, shadow=True, keep_prompt_kv=stop_gradient == "dense")
     masked_hidden = masked.hidden  # [B, N, H]
-    common = {"temperature": module.temperature, "mask": mask, "chunk_size": module.logits_chunk_size}
-    if module.kl_stop_gradient == "dense":
-        with torch.no_grad(), report_phase(module, "teacher"):
+    common = {"temperature": temperature, "mask": mask, "chunk_size": chunk_size}
+    if stop_gradient == "dense":
+        with torch.no_grad(), report_phase(phase_owner, "teacher"):
             dense_hidden = dense_hidden_states(policy, rollout, masked)  # [B, N, H]
         return chunked_token_kl(masked_hidden, head, dense_hidden, teacher_head=head, **common)
-    dense_hidden = module._pass(policy, rollout, shadow=False).hidden  # [B, N, H]
+    dense_hidden = grpo_pass(policy, rollout, layout, shadow=False).hidden  # [B, N, H]
     reverse = {"forward_weight": 0.0, "reverse_weight": 1.0}
     return chunked_token_kl(dense_hidden, head, masked_hidden.detach(), teacher_head=head, **reverse, **common)

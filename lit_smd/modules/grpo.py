@@ -95,9 +95,8 @@ from torch import Tensor
 from transformers import PreTrainedModel
 
 from lit_smd.datamodules.experience import Experience, PhaseListener, ScoredRollout
-from lit_smd.fsdp import is_sharded
 from lit_smd.kv import Compressor
-from lit_smd.learner import LearnerLayout, LearnerPass, check_learner_layout, learner_hidden_states
+from lit_smd.learner import LearnerLayout, LearnerPass, check_learner_layout
 from lit_smd.lora import LoraSettings, check_lora
 from lit_smd.losses.grpo import LossType, ScaleRewards, policy_loss
 from lit_smd.losses.head import output_head
@@ -130,7 +129,7 @@ from lit_smd.modules._grpo_metrics import (
     rollout_correction_metrics,
     synchronize,
 )
-from lit_smd.modules._grpo_smd import smd_kl
+from lit_smd.modules._grpo_smd import grpo_pass, smd_kl
 from lit_smd.rollout import Rollout
 
 __all__ = ["GRPOModule", "Mode"]
@@ -385,7 +384,10 @@ class GRPOModule(LightningModule):
         (`lit_smd.modules._grpo_smd.smd_kl`: ``KL(sg[dense] || masked)`` or, with ``kl_stop_gradient="masked"``,
         ``KL(dense || sg[masked])``), the token mean over ``mask [B, N]``; ``masked``: the masked pass if already run.
         """
-        return smd_kl(self, rollout, mask, masked)
+        return smd_kl(
+            self.policy, rollout, mask, layout=self.learner_layout, stop_gradient=self.kl_stop_gradient,
+            temperature=self.temperature, chunk_size=self.logits_chunk_size, masked=masked, phase_owner=self,
+        )  # fmt: skip
 
     def configure_optimizers(self) -> object:
         """The injected optimizer (default AdamW, lr 1e-6) over the policy, with the scheduler stepped per step."""
@@ -467,13 +469,8 @@ class GRPOModule(LightningModule):
     def _pass(
         self, model: PreTrainedModel, rollout: Rollout, *, shadow: bool, keep_prompt_kv: bool = False
     ) -> LearnerPass:
-        """One teacher-forced pass of ``model`` over ``rollout`` in the configured ``learner_layout``.
-
-        Under FSDP2 the shadow view runs per row: which rows can share a prompt depends on each rank's own shadow
-        masks, and a rank with rows of both kinds would run the decoder (and its per-layer all-gathers) twice.
-        """
-        layout = "per_row" if shadow and is_sharded(model) else self.learner_layout
-        return learner_hidden_states(model, rollout, shadow=shadow, layout=layout, keep_prompt_kv=keep_prompt_kv)
+        """One teacher-forced pass of ``model`` over ``rollout`` in the configured ``learner_layout`` (`grpo_pass`)."""
+        return grpo_pass(model, rollout, self.learner_layout, shadow=shadow, keep_prompt_kv=keep_prompt_kv)
 
     def _token_logprobs(self, model: PreTrainedModel, hidden: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
         head = output_head(model)
