@@ -10,6 +10,8 @@ Qwen3-MoE and GPT-OSS (transformers' eager experts, which run in float64). Per f
   is float32 rounding, ~1e-6);
 * the learner replays the rollout exactly (float64 rounding) under every compressor, per row and with the shared
   prompt packed once per group, while the dense view differs;
+* distillation's exact (full-vocabulary) forward / reverse KL and the sampled estimator's k1 reward equal those of
+  transformers' eager distributions of student and teacher (each through its own logit post-processing);
 * one GRPO (SMD) step and one distillation step train the model with finite losses.
 """
 
@@ -100,8 +102,9 @@ def sample(model, compressor, *, num_samples: int = 1, max_new_tokens: int = 10,
     )  # fmt: skip
 
 
-def eager_logprobs(model, rollout: Rollout) -> torch.Tensor:
-    """``[B, N]`` completion log-probs from transformers' eager attention and forward, one unpadded row at a time."""
+def eager_distributions(model, rollout: Rollout) -> torch.Tensor:
+    """``[B, N, V]`` next-token log-probs at the completion positions from transformers' eager attention and forward
+    (its own logit post-processing included), one unpadded row at a time."""
     reference = copy.deepcopy(model)
     reference.set_attn_implementation("eager")
     rows = []
@@ -110,9 +113,13 @@ def eager_logprobs(model, rollout: Rollout) -> torch.Tensor:
         ids = torch.cat([prompt, rollout.completion_ids[b]])[None]  # [1, P + N]
         with torch.no_grad():
             logits = reference(input_ids=ids).logits[0, len(prompt) - 1 : -1]  # [N, V]
-        logprobs = torch.log_softmax(logits.double(), -1)
-        rows.append(logprobs.gather(-1, rollout.completion_ids[b][:, None])[:, 0])
+        rows.append(torch.log_softmax(logits.double(), -1))
     return torch.stack(rows)
+
+
+def eager_logprobs(model, rollout: Rollout) -> torch.Tensor:
+    """``[B, N]`` completion log-probs from transformers' eager attention and forward (`eager_distributions`)."""
+    return eager_distributions(model, rollout).gather(-1, rollout.completion_ids[..., None])[..., 0]
 
 
 @pytest.fixture(params=sorted(FAMILIES))
@@ -196,3 +203,33 @@ def test_every_tested_family_routes_attention_through_lit_smd(model_type):
     model = build(model_type)
     ensure_attention(model)
     assert model.config._attn_implementation == "lit_smd"
+
+
+def test_sampled_distillation_scores_the_teacher_with_its_output_head(model_type):
+    """The sampled estimator's reward ``log p_T - log q_S`` uses each model's logit post-processing (Gemma's final
+    softcap, Granite's ``logits_scaling``, Cohere's ``logit_scale``): its logged k1 estimate equals the one from
+    transformers' eager forwards of student and teacher on the same tokens."""
+    student, teacher = build(model_type, seed=0), build(model_type, seed=1)
+    rollout = sample(student, None, num_samples=2, max_new_tokens=6)
+    module = DistillModule(student, teacher, estimator="sampled", forward_weight=0.0, reverse_weight=1.0,
+                           max_new_tokens=6)  # fmt: skip
+    _, metrics = module.distill_loss(rollout)
+    k1 = eager_logprobs(student, rollout) - eager_logprobs(teacher, rollout)  # [B, N]
+    expected = k1[rollout.completion_mask].mean()
+    assert abs(float(metrics["distill/reverse_kl"]) - float(expected)) <= EAGER_TOLERANCE
+
+
+def test_full_distillation_kl_matches_transformers_eager(model_type):
+    """The exact estimator's forward and reverse token KL (teacher and student through their own output heads) equal
+    the KLs of transformers' eager next-token distributions on the same tokens."""
+    student, teacher = build(model_type, seed=0), build(model_type, seed=1)
+    rollout = sample(student, None, num_samples=2, max_new_tokens=6)
+    module = DistillModule(student, teacher, estimator="full", forward_weight=0.5, reverse_weight=0.5,
+                           max_new_tokens=6, logits_chunk_size=5)  # fmt: skip
+    _, metrics = module.distill_loss(rollout)
+    log_q, log_p = eager_distributions(student, rollout), eager_distributions(teacher, rollout)  # [B, N, V] each
+    mask = rollout.completion_mask
+    forward = (log_p.exp() * (log_p - log_q)).sum(-1)[mask].mean()
+    reverse = (log_q.exp() * (log_q - log_p)).sum(-1)[mask].mean()
+    assert abs(float(metrics["distill/forward_kl"]) - float(forward)) <= EAGER_TOLERANCE
+    assert abs(float(metrics["distill/reverse_kl"]) - float(reverse)) <= EAGER_TOLERANCE

@@ -363,7 +363,7 @@ class DistillModule(LightningModule):
             with torch.no_grad():
                 teacher_logprobs, _ = token_logprobs_and_entropy(
                     teacher_hidden, teacher_head.weight, teacher_head.bias, ids, temperature=self.temperature,
-                    chunk_size=chunk,
+                    chunk_size=chunk, logit_transform=teacher_head.transform,
                 )  # fmt: skip
             loss = sampled_reverse_kl(logprobs, teacher_logprobs, mask, reverse_weight=self.reverse_weight)
             metrics = {
