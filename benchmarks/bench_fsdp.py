@@ -75,7 +75,7 @@ class Learner(L.LightningModule):
         keep = rollout.completion_mask
         hidden = learner_hidden_states(self.model, rollout, shadow=True, layout="per_row").hidden  # [B, N, H]
         head = self.model.get_output_embeddings()
-        logprobs, _ = token_logprobs_and_entropy(hidden, head.weight, head.bias, rollout.completion_ids)
+        logprobs, _ = token_logprobs_and_entropy(hidden, head, rollout.completion_ids)
         self.gaps.append(float(((logprobs.detach() - rollout.logprobs).abs() * keep).max()))
         advantages = (rollout.completion_ids.sum(1) % 3 - 1).to(logprobs.dtype)  # [B] fixed pseudo-advantages
         loss = -(advantages[:, None] * logprobs * keep).sum() / keep.sum()

@@ -95,7 +95,7 @@ def _sampler_entropy(model: PreTrainedModel, rollout: Rollout, temperature: floa
         hidden = learner_hidden_states(model, rollout, layout="per_row").hidden  # [B, N, H], shadow replayed
         head = model.get_output_embeddings()
         _, entropy = token_logprobs_and_entropy(
-            hidden, head.weight, head.bias, rollout.completion_ids, temperature=temperature, chunk_size=4096
+            hidden, head, rollout.completion_ids, temperature=temperature, chunk_size=4096
         )
     return entropy  # [B, N]
 

@@ -12,7 +12,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from lit_smd.losses.head import IDENTITY, LogitTransform
+from lit_smd.losses.head import LogitTransform, OutputHead
 from lit_smd.reduced_matmul import linear
 
 __all__ = ["token_logprobs_and_entropy"]
@@ -20,13 +20,11 @@ __all__ = ["token_logprobs_and_entropy"]
 
 def token_logprobs_and_entropy(
     hidden: Tensor,
-    weight: Tensor,
-    bias: Tensor | None,
+    head: OutputHead,
     ids: Tensor,
     *,
     temperature: float = 1.0,
     chunk_size: int = 1024,
-    logit_transform: LogitTransform = IDENTITY,
 ) -> tuple[Tensor, Tensor]:
     """Log-probs of given tokens and the entropy, from hidden states, projecting to the vocabulary in chunks.
 
@@ -36,30 +34,30 @@ def token_logprobs_and_entropy(
 
     Args:
         hidden: ``[B, N, H]`` final hidden states (the ones predicting ``ids``).
-        weight: ``[V, H]`` output projection.
-        bias: ``[V]`` output bias or None.
+        head: The model's output head: ``[V, H]`` projection, optional ``[V]`` bias and its family's logit
+            post-processing (`lit_smd.losses.head.output_head`).
         ids: ``[B, N]`` token ids to score.
         temperature: Softmax temperature.
         chunk_size: Rows per chunk.
-        logit_transform: The family's logit post-processing after the projection (`lit_smd.losses.head.output_head`).
 
     Returns:
         ``(logprobs [B, N], entropy [B, N])``; log-probs carry gradients, the entropy (nats) is detached.
 
     Raises:
-        ValueError: Mismatched shapes (``hidden`` vs ``ids`` vs ``weight`` / ``bias``), ``temperature <= 0`` or
-            ``chunk_size < 1``; the message names the argument.
+        ValueError: Mismatched shapes (``hidden`` vs ``ids`` vs ``head.weight`` / ``head.bias``),
+            ``temperature <= 0`` or ``chunk_size < 1``; the message names the argument.
     """
     if hidden.shape[:-1] != ids.shape:
         raise ValueError(
             f"hidden must have shape [*ids.shape, H]: got hidden {tuple(hidden.shape)} and ids {tuple(ids.shape)}"
         )
+    weight, bias = head.weight, head.bias
     if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
         raise ValueError(
-            f"weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got {tuple(weight.shape)}"
+            f"head.weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got {tuple(weight.shape)}"
         )
     if bias is not None and bias.shape != weight.shape[:1]:
-        raise ValueError(f"bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+        raise ValueError(f"head.bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
     if not 0 < temperature < math.inf:
         raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
@@ -72,7 +70,7 @@ def token_logprobs_and_entropy(
     logprobs, entropies = [], []
     for start in range(0, flat_ids.shape[0], chunk_size):
         rows = slice(start, start + chunk_size)
-        args = (flat_hidden[rows], weight, bias, flat_ids[rows], temperature, dtype, logit_transform)
+        args = (flat_hidden[rows], weight, bias, flat_ids[rows], temperature, dtype, head.transform)
         if recompute:
             chunk_logprobs, chunk_entropy = checkpoint(_chunk_logprobs, *args, use_reentrant=False)
         else:

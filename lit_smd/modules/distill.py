@@ -270,9 +270,9 @@ class DistillModule(LightningModule):
                 hidden = self._hidden(self.student, rollout)  # [B, N, H]
                 head = output_head(self.student)
                 _, entropy = token_logprobs_and_entropy(
-                    hidden, head.weight, head.bias, rollout.completion_ids, temperature=self.temperature,
-                    chunk_size=self.logits_chunk_size, logit_transform=head.transform,
-                )  # fmt: skip
+                    hidden, head, rollout.completion_ids, temperature=self.temperature,
+                    chunk_size=self.logits_chunk_size,
+                )
         finally:
             self.student.train(was_training)
         return ProbeStats(
@@ -357,14 +357,12 @@ class DistillModule(LightningModule):
         if self.estimator == "sampled":
             ids = rollout.completion_ids
             logprobs, entropy = token_logprobs_and_entropy(
-                student_hidden, head.weight, head.bias, ids, temperature=self.temperature, chunk_size=chunk,
-                logit_transform=head.transform,
+                student_hidden, head, ids, temperature=self.temperature, chunk_size=chunk
             )  # [B, N] each, with gradient
             with torch.no_grad():
                 teacher_logprobs, _ = token_logprobs_and_entropy(
-                    teacher_hidden, teacher_head.weight, teacher_head.bias, ids, temperature=self.temperature,
-                    chunk_size=chunk, logit_transform=teacher_head.transform,
-                )  # fmt: skip
+                    teacher_hidden, teacher_head, ids, temperature=self.temperature, chunk_size=chunk
+                )
             loss = sampled_reverse_kl(logprobs, teacher_logprobs, mask, reverse_weight=self.reverse_weight)
             metrics = {
                 "distill/reverse_kl": loss.detach() / self.reverse_weight,  # the unweighted k1 estimate

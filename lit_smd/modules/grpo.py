@@ -475,9 +475,8 @@ class GRPOModule(LightningModule):
     def _token_logprobs(self, model: PreTrainedModel, hidden: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
         head = output_head(model)
         return token_logprobs_and_entropy(
-            hidden, head.weight, head.bias, ids, temperature=self.temperature, chunk_size=self.logits_chunk_size,
-            logit_transform=head.transform,
-        )  # fmt: skip
+            hidden, head, ids, temperature=self.temperature, chunk_size=self.logits_chunk_size
+        )
 
     @torch.no_grad()
     def score(self, model: PreTrainedModel, rollout: Rollout, *, shadow: bool) -> Tensor:

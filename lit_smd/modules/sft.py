@@ -141,8 +141,7 @@ class SFTModule(LightningModule):
         rows = hidden[mask]  # [n, H]: only labelled positions reach the vocabulary projection
         head = output_head(self.policy)
         logprobs, _ = token_logprobs_and_entropy(
-            rows[None], head.weight, head.bias, targets[mask][None], chunk_size=self.logits_chunk_size,
-            logit_transform=head.transform,
+            rows[None], head, targets[mask][None], chunk_size=self.logits_chunk_size
         )  # [1, n]
         with torch.no_grad():
             greedy = torch.cat([head(chunk).argmax(-1) for chunk in rows.detach().split(self.logits_chunk_size)])  # [n]

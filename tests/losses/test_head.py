@@ -76,9 +76,8 @@ def _grads(loss, tensors):
 def test_token_logprobs_apply_the_transform_with_its_gradient():
     hidden, weight, bias = _inputs()
     ids = torch.randint(0, 11, (2, 5), generator=torch.Generator().manual_seed(1))
-    logprobs, _ = token_logprobs_and_entropy(
-        hidden, weight, bias, ids, temperature=0.7, chunk_size=3, logit_transform=TRANSFORM
-    )
+    head = OutputHead(weight, bias, TRANSFORM)
+    logprobs, _ = token_logprobs_and_entropy(hidden, head, ids, temperature=0.7, chunk_size=3)
     reference = torch.log_softmax(_reference_logits(hidden, weight, bias) / 0.7, -1).gather(-1, ids[..., None])[..., 0]
     torch.testing.assert_close(logprobs, reference, rtol=0, atol=1e-13)
     for ours, theirs in zip(_grads(logprobs.sum(), (hidden, weight, bias)),

@@ -13,6 +13,7 @@ from lit_smd.datamodules.experience import Experience
 from lit_smd.datamodules.rollout import RolloutDataModule
 from lit_smd.kv import RecentWindow, SnapKV
 from lit_smd.learner import learner_hidden_states, score
+from lit_smd.losses.head import OutputHead
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.losses.sparse_rl import sparse_rl_correction
 from lit_smd.modules.grpo import GRPOModule
@@ -218,7 +219,7 @@ def test_chunked_token_logprobs_match_full_log_softmax(peaky_model_factory):
     hidden = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
     weight = torch.randn(11, 8, dtype=torch.float64, requires_grad=True)
     ids = torch.randint(0, 11, (2, 5))
-    logprobs, entropy = token_logprobs_and_entropy(hidden, weight, None, ids, temperature=0.5, chunk_size=3)
+    logprobs, entropy = token_logprobs_and_entropy(hidden, OutputHead(weight), ids, temperature=0.5, chunk_size=3)
     full = (hidden @ weight.T / 0.5).log_softmax(-1)
     expected = full.gather(-1, ids[..., None]).squeeze(-1)
     torch.testing.assert_close(logprobs, expected)
