@@ -178,6 +178,38 @@ def test_smd_table_aggregates_seeds_with_t_intervals(repro):
     ) in table
 
 
+def test_efficiency_table_pairs_every_run_with_the_dense_run_of_its_seed(repro):
+    smd = repro["smd"]
+
+    def scalars(generate: float, learner: float, kv: float, forward_rise: float, backward_rise: float) -> dict:
+        return {"time/generate_s": [[0, generate], [1, 3 * generate]], "time/learner_s": [[0, learner], [1, learner]],
+                "mem/kv_cache_mib": [[0, kv], [1, kv]], "mem/rollout_rise_mib": [[0, 4.0], [1, 4.0]],
+                "mem/forward_rise_mib": [[0, forward_rise], [1, forward_rise]],
+                "mem/backward_rise_mib": [[0, backward_rise], [1, 0.0]],
+                "mem/rollout_peak_mib": [[0, 500.0], [1, 510.0]],
+                "mem/backward_peak_mib": [[1, 520.0 + learner]]}  # fmt: skip
+
+    smd_meta = {"mode": "smd", "lambda": 0.1, "budget": 0.5, "selection": "snapkv"}
+    results = {
+        "dense-seed0": _result("d0", {"mode": "dense", "seed": 0}, scalars(1.0, 2.0, 8.0, 3.0, 1.0), 0.5),
+        "dense-seed1": _result("d1", {"mode": "dense", "seed": 1}, scalars(2.0, 4.0, 8.0, 3.0, 1.0), 0.5),
+        "smd-seed0": _result("s0", {**smd_meta, "seed": 0}, scalars(1.5, 2.2, 4.0, 2.0, 5.0), 0.5),
+        "smd-seed1": _result("s1", {**smd_meta, "seed": 1}, scalars(2.0, 4.8, 4.0, 2.0, 5.0), 0.5),
+    }
+    table, rows = smd.efficiency_table(results)
+    dense, row = rows
+    assert dense["rollout s/step / dense"] == [1.0, 1.0]
+    assert row["rollout s/step"] == [3.0, 4.0]  # the mean over steps: (1.5 + 4.5) / 2, (2 + 6) / 2
+    assert row["rollout s/step / dense"] == pytest.approx([1.5, 1.0])  # each seed against its own dense run
+    assert row["learner s/step / dense"] == pytest.approx([1.1, 1.2])
+    assert row["KV cache MiB / dense"] == [0.5, 0.5]
+    # learner rise per step = max(forward, backward) = [5, 2] -> 3.5 against dense [3, 3] -> 3
+    assert row["learner rise MiB"] == [3.5, 3.5] and row["learner rise MiB / dense"] == pytest.approx([3.5 / 3] * 2)
+    assert row["peak MiB"] == [522.2, 524.8] and dense["peak MiB"] == [522.0, 524.0]
+    # seed-paired ratios [1.5, 1.0]: mean 1.25, s 0.353553, t_{0.975, 1} = 12.706205: half width 3.18
+    assert "| 50% | snapkv | smd | 0.1 | 2 | 3.500 | 1.25 ± 3.18 | 3.500 | 1.15 ± 0.64 | 4.000 | 0.50 ± 0.00 |" in table
+
+
 def test_paired_differences_resolve_only_intervals_that_exclude_zero(repro):
     smd = repro["smd"]
     base = {"compression": "50%", "selection": "snapkv", "seeds": [0, 1, 2]}
@@ -222,7 +254,8 @@ def test_distill_table_reports_both_rl_follow_ups_and_the_curriculum(repro):
     distill = repro["distill"]
     ladder = [[0, 8.0], [20, 8.0], [40, 16.0], [60, 16.0], [80, 32.0]]
     assert distill.curriculum_steps({"distill/max_new_tokens": ladder}) == (32.0, [40, 80])
-    evaluation = {"accuracy": 0.5, "pass@1": 0.5, "pass@4": 0.7, "greedy_accuracy": 0.6, "entropy": 1.0, "length": 8}
+    evaluation = {"accuracy": 0.5, "pass@1": 0.5, "pass@4": 0.7, "greedy_accuracy": 0.6, "entropy": 1.0, "length": 8,
+                  "truncation_rate": 0.25}  # fmt: skip
     results = {
         "distill-mix-0.8-0.2+curriculum-seed0": {
             "cell": {"meta": {}}, "eval": evaluation, "eval_compressed": {**evaluation, "accuracy": 0.4},
@@ -234,7 +267,7 @@ def test_distill_table_reports_both_rl_follow_ups_and_the_curriculum(repro):
     table, rows = distill.summarise(results, [0], ["mix-0.8-0.2+curriculum"])
     (row,) = rows
     assert row["rl_dense_gain"] == pytest.approx([0.25]) and row["rl_smd_gain"] == pytest.approx([0.15])
-    assert "| 32 (40, 80) |" in table and "| 0.750 | 0.250 | 0.550 | 0.150 |" in table
+    assert "| 8.00 | 0.250 | 32 (40, 80) |" in table and "| 0.750 | 0.250 | 0.550 | 0.150 |" in table
 
 
 def test_run_cells_refuses_results_of_other_settings(repro, tmp_path):

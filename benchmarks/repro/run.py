@@ -9,7 +9,7 @@ written by hand from these files.
 Usage::
 
     python benchmarks/repro/run.py                          # retrieval, 5 seeds: hours on 2 CPU cores
-    python benchmarks/repro/run.py --task chain --out out/repro-chain
+    python benchmarks/repro/run.py --task chain --out out/repro-chain --distill-seeds 0 1 2 --distill-steps 300
     python benchmarks/repro/run.py --quick --out /tmp/q --publish ''   # the pipeline end to end, minutes
 """
 
@@ -54,19 +54,21 @@ def main(argv: list[str] | None = None) -> None:
                         "to skip publishing")  # fmt: skip
     parser.add_argument("--task", choices=sorted(smd_table.TASKS), default="retrieval")
     parser.add_argument("--seeds", type=int, nargs="+", default=None, help=f"default {smd_table.SEEDS}")
+    parser.add_argument("--distill-seeds", type=int, nargs="+", default=None, help="default: --seeds")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--steps", type=int, default=None, help="GRPO steps per SMD-table run (default 150)")
     parser.add_argument("--distill-steps", type=int, default=None, help="distillation steps (default 600)")
     parser.add_argument("--rl-steps", type=int, default=None, help="GRPO steps after each distillation (default 100)")
     parser.add_argument("--quick", action="store_true", help="tiny sizes: checks the pipeline end to end")
     args = parser.parse_args(argv)
-    shared = ["--out", args.out, "--jobs", str(args.jobs), "--task", args.task]
-    shared += ["--seeds", *map(str, args.seeds)] if args.seeds else []
-    shared += ["--quick"] if args.quick else []
+    shared = ["--out", args.out, "--jobs", str(args.jobs), "--task", args.task] + (["--quick"] if args.quick else [])
+    smd = shared + (["--seeds", *map(str, args.seeds)] if args.seeds else [])
+    distill_seeds = args.distill_seeds or args.seeds
+    distill = shared + (["--seeds", *map(str, distill_seeds)] if distill_seeds else [])
     start, cpu_start = time.perf_counter(), os.times()
-    smd_table.main(shared + (["--steps", str(args.steps)] if args.steps else []))
-    distill_steps = ["--distill-steps", str(args.distill_steps)] if args.distill_steps else []
-    distill_table.main(shared + distill_steps + (["--rl-steps", str(args.rl_steps)] if args.rl_steps else []))
+    smd_table.main(smd + (["--steps", str(args.steps)] if args.steps else []))
+    distill += ["--distill-steps", str(args.distill_steps)] if args.distill_steps else []
+    distill_table.main(distill + (["--rl-steps", str(args.rl_steps)] if args.rl_steps else []))
     wall, cpu_end = time.perf_counter() - start, os.times()
     cpu = (cpu_end.children_user + cpu_end.children_system) - (cpu_start.children_user + cpu_start.children_system)
     if args.publish is None:
