@@ -40,11 +40,8 @@ class RolloutSource(Protocol):
     def trainer_epoch(self) -> int | None: ...
 
     def collect(
-        self,
-        learner: RolloutLearner,
-        indices: Sequence[int],
-        generator: torch.Generator | None = None,
-        key: tuple[int, int] = (0, 0),
+        self, learner: RolloutLearner, indices: Sequence[int], generator: torch.Generator | None = ...,
+        key: tuple[int, int] = ...,
     ) -> ScoredRollout: ...
 
     def minibatches(self, scored: ScoredRollout) -> Iterator[ScoredRollout]: ...
