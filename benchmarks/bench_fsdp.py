@@ -37,7 +37,7 @@ from torch.utils.data import DataLoader
 from lit_smd.fsdp import FSDP2Strategy, fsdp_strategy, gathered, shard_model
 from lit_smd.kv import RecentWindow
 from lit_smd.learner import learner_hidden_states
-from lit_smd.losses.head import OutputHead
+from lit_smd.losses.head import output_head
 from lit_smd.losses.kl import chunked_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.rollout import generate
@@ -74,15 +74,14 @@ class Learner(L.LightningModule):
             )  # fmt: skip
         keep = rollout.completion_mask
         hidden = learner_hidden_states(self.model, rollout, shadow=True, layout="per_row").hidden  # [B, N, H]
-        head = self.model.get_output_embeddings()
+        head = output_head(self.model)
         logprobs, _ = token_logprobs_and_entropy(hidden, head, rollout.completion_ids)
         self.gaps.append(float(((logprobs.detach() - rollout.logprobs).abs() * keep).max()))
         advantages = (rollout.completion_ids.sum(1) % 3 - 1).to(logprobs.dtype)  # [B] fixed pseudo-advantages
         loss = -(advantages[:, None] * logprobs * keep).sum() / keep.sum()
         with torch.no_grad():
             dense = learner_hidden_states(self.model, rollout, shadow=False, layout="per_row").hidden
-        kl_head = OutputHead(head.weight)  # the plain projection, no bias
-        kl = chunked_token_kl(hidden, kl_head, dense, teacher_head=kl_head, mask=keep)
+        kl = chunked_token_kl(hidden, head, dense, teacher_head=head, mask=keep)
         return loss + 0.1 * kl.loss
 
     def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:

@@ -24,6 +24,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 
 from lit_smd.kv import Compressor
 from lit_smd.learner import learner_hidden_states, score
+from lit_smd.losses.head import output_head
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.metrics import AvgAtK, PassAtK, ResponseLength, TokenEntropy
 from lit_smd.rewards import chain_hops_reward, math_answer_reward
@@ -93,9 +94,8 @@ def _sampler_entropy(model: PreTrainedModel, rollout: Rollout, temperature: floa
     """``[B, N]`` entropy of the sampling distribution at each completion position (shadow mask replayed)."""
     with torch.no_grad():
         hidden = learner_hidden_states(model, rollout, layout="per_row").hidden  # [B, N, H], shadow replayed
-        head = model.get_output_embeddings()
         _, entropy = token_logprobs_and_entropy(
-            hidden, head, rollout.completion_ids, temperature=temperature, chunk_size=4096
+            hidden, output_head(model), rollout.completion_ids, temperature=temperature, chunk_size=4096
         )
     return entropy  # [B, N]
 

@@ -9,7 +9,7 @@ every step) or a fraction ``r`` of the context (``float`` in (0, 1]), read accor
 * ``"fixed"``: a constant ``floor(r * (P + max_new_tokens))`` keys, the share of the keys that a dense cache would
   hold at the end of the rollout (short rollouts may then evict nothing).
 
-An ``int`` budget ignores ``budget_mode``. Pads are not counted. A budget below the policy's minimum (its protected
+An ``int`` budget ignores ``budget_mode``. Pads are not counted. A budget below the compressor's minimum (its protected
 keys) is an error, raised before any model work; in ``"paper"`` mode this makes prompts shorter than
 ``min_prompt_length`` invalid (the rollout DataModule filters them).
 
@@ -37,7 +37,7 @@ def check_budget(budget: int | float, budget_mode: str, minimum: int, owner: str
     Args:
         budget: Absolute token count, or a fraction (see the module docstring).
         budget_mode: ``"paper"`` or ``"fixed"``.
-        minimum: Smallest valid absolute budget (the policy's protected keys).
+        minimum: Smallest valid absolute budget (the compressor's protected keys).
         owner: Name used in error messages (the compressor's class).
 
     Raises:
@@ -50,7 +50,7 @@ def check_budget(budget: int | float, budget_mode: str, minimum: int, owner: str
             raise ValueError(f"{owner}.budget as a fraction must be in (0, 1], got {budget}")
     elif budget < minimum:
         raise ValueError(
-            f"{owner}.budget={budget} is smaller than the keys the policy always keeps; "
+            f"{owner}.budget={budget} is smaller than the keys the compressor always keeps; "
             f"it must be >= {minimum} (window + sinks)"
         )
     if budget_mode not in BUDGET_MODES:
@@ -98,7 +98,7 @@ def resolve_budget(
     owner: str = "compressor",
     budget_mode: str = "paper",
 ) -> torch.Tensor:
-    """Per-sequence budget after the prefill, in keys per layer and KV head, checked against the policy's minimum.
+    """Per-sequence budget after the prefill, in keys per layer and KV head, checked against the compressor's minimum.
 
     Budgets never shrink while decoding, so this is the smallest budget of the rollout.
 
@@ -106,7 +106,7 @@ def resolve_budget(
         budget: Absolute token count, or a fraction (see the module docstring).
         prompt_lengths: Real (unpadded) prompt lengths, shape ``[B]``.
         max_new_tokens: Generation length of the rollout.
-        minimum: Smallest valid budget for the policy.
+        minimum: Smallest valid budget for the compressor.
         owner: Name used in error messages.
         budget_mode: ``"paper"`` or ``"fixed"``.
 

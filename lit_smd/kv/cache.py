@@ -11,15 +11,15 @@ position that can no longer see key ``j`` (`lit_smd.kv.shadow.NEVER` if it never
 the shadow mask the learner replays.
 
 Timing: the prefill is dense (every prompt query sees every earlier prompt key) and runs in micro-batches of
-prompts (`BudgetedCache.begin_prefill`); the prefill policy then keeps at most the budget, and prompt keys it drops
+prompts (`BudgetedCache.begin_prefill`); the prefill compressor then keeps at most the budget, and prompt keys it drops
 get ``e = prompt_length`` (the first decode query). A decode query first writes its key, attends over the cache
-(at most ``budget + 1`` keys), and then the decode policy evicts one key if the cache is over budget; that key gets
+(at most ``budget + 1`` keys), and then the decode compressor evicts one key if the cache is over budget; that key gets
 ``e = position + 1``.
 
 Bookkeeping. How many keys a sequence holds after each step does not depend on the layer, the head or the
 attention numerics (one key in per step, at most one out), so the cache derives it from the budget schedule
 (`lit_smd.kv.budget.budget_at`) once per step: which rows must evict, and (host side) whether any row must, so
-a step where no row is over budget skips the policy entirely. Occupied slots always form a prefix
+a step where no row is over budget skips the compressor entirely. Occupied slots always form a prefix
 ``[0, kept)`` plus at most one hole, the slot of the key evicted in the previous step; the next key goes into that
 hole, or at the end. Per step, layer and row, the work is a constant number of ops over the ``capacity`` slots
 (the budget plus one), with no loop over rows.
@@ -79,7 +79,7 @@ class _DecodeStep:
         seen: Columns processed before the step.
         newest: ``[R]`` logical position of the step's query.
         written: ``[R]`` keys each row holds once the step's key is written.
-        over: ``[R]`` bool, rows that evict one key after attending; None when no row does (no policy work).
+        over: ``[R]`` bool, rows that evict one key after attending; None when no row does (no compressor work).
     """
 
     seen: int
@@ -150,18 +150,18 @@ class BudgetedLayer(CacheLayerMixin):
     ) -> torch.Tensor:
         """Dense prefill attention of the current micro-batch, then prompt selection into its slots.
 
-        When the policy accumulates attention (H2O), its column sums come from the same pass as the output (and
+        When the compressor accumulates attention (H2O), its column sums come from the same pass as the output (and
         SnapKV's window rows with them); softcap and sinks (``features``) shape those probabilities as they shape the
         output. Returns ``[m, W, H_q, D]``.
         """
         key, value = self._prompt_kv
         self._prompt_kv = None
         cache, batch = self.cache, self.cache.prefill_batch
-        policy = cache.compressor
+        compressor = cache.compressor
         ctx = PrefillContext(
             query, key, value, scaling, batch.positions, batch.lengths - 1, sliding_window, cache.generator, features
         )
-        out = ctx.attend(column_sums=cache.accumulates, window=getattr(policy, "observation_window", 0))
+        out = ctx.attend(column_sums=cache.accumulates, window=getattr(compressor, "observation_window", 0))
         self._select_prompt(ctx)
         return out.contiguous()  # [m, W, Hq, D]
 
@@ -172,11 +172,11 @@ class BudgetedLayer(CacheLayerMixin):
         prompts, kv_heads, width, _ = key.shape
         positions = batch.positions  # [m, W]
         real = positions >= 0
-        policy = cache.compressor
-        if policy is None:
+        compressor = cache.compressor
+        if compressor is None:
             scores = torch.zeros(prompts, kv_heads, width, device=key.device)
         else:
-            scores = policy.prefill_scores(ctx).float()  # [m, Hkv, W]
+            scores = compressor.prefill_scores(ctx).float()  # [m, Hkv, W]
         scores = scores.masked_fill(~real[:, None, :], float("-inf"))
         kept = int(batch.keep.max())
         ranked = scores.argsort(dim=-1, descending=True, stable=True)[..., :kept]  # [m, Hkv, K] best first
@@ -229,18 +229,18 @@ class BudgetedLayer(CacheLayerMixin):
         probs = normalise(scores, sinks)  # [B, Hkv, G, C]
         out = torch.matmul(probs.to(self.values.dtype), self.values)  # [B, Hkv, G, D]
         self.seen += 1
-        policy = self.cache.compressor
+        compressor = self.cache.compressor
         if self.cache.accumulates:
             self.accumulated += probs.sum(dim=2)
         if step.over is None:  # no row is over budget this step: the key stays, the next goes after it
             self.free_slot = step.written[:, None, None].expand(-1, kv_heads, 1)
         else:
-            self._evict(policy, step)
+            self._evict(compressor, step)
         return out.reshape(rows, 1, q_heads, dim)
 
-    def _evict(self, policy: Compressor, step: _DecodeStep) -> None:
+    def _evict(self, compressor: Compressor, step: _DecodeStep) -> None:
         state = DecodeState(self.positions, self.accumulated, step.newest, self.cache.generator)
-        scores = policy.decode_scores(state).masked_fill(self.positions < 0, float("inf"))  # [B, Hkv, C]
+        scores = compressor.decode_scores(state).masked_fill(self.positions < 0, float("inf"))  # [B, Hkv, C]
         victim = scores.argmin(dim=-1, keepdim=True)  # [B, Hkv, 1]
         over = step.over[:, None, None]  # [B, 1, 1]
         victim_pos = self.positions.gather(-1, victim)  # [B, Hkv, 1] (a real key: free slots scored +inf)
@@ -263,7 +263,7 @@ class BudgetedCache(Cache):
 
     Args:
         num_layers: Decoder layers of the model.
-        compressor: Eviction policy, or None for a dense rollout (nothing is evicted).
+        compressor: Eviction rule, or None for a dense rollout (nothing is evicted).
         prompt_mask: ``[B, P]`` bool, left-padded prompts (one row per prompt, before sampling).
         max_new_tokens: Decode steps the cache must hold.
         num_generations: Completions per prompt; the prefill runs once per prompt and its result is shared.
@@ -319,8 +319,8 @@ class BudgetedCache(Cache):
     # -- budget schedule ---------------------------------------------------------------------------------------
     def _budget_cpu(self, decoded: int) -> torch.Tensor:
         """``[B]`` budgets once ``decoded`` decode keys were written (no limit for policies that do not evict)."""
-        policy = self.compressor
-        return budget_at(policy.budget, policy.budget_mode, self._lengths_cpu, self.max_new_tokens, decoded)
+        compressor = self.compressor
+        return budget_at(compressor.budget, compressor.budget_mode, self._lengths_cpu, self.max_new_tokens, decoded)
 
     def _kept_after(self, decoded: int) -> torch.Tensor:
         """``[B]`` keys held after ``decoded`` decode steps (evictions included).
@@ -335,11 +335,11 @@ class BudgetedCache(Cache):
         keys = self._lengths_cpu + max(self.max_new_tokens - 1, 0)  # keys written by the end (last token not fed)
         kept = self._kept_after(max(self.max_new_tokens - 1, 0))
         if bool((self._keep_cpu == self._lengths_cpu).all()) and bool((kept == keys).all()):
-            policy = self.compressor
-            fixed = isinstance(policy.budget, float) and policy.budget_mode == "fixed"
+            compressor = self.compressor
+            fixed = isinstance(compressor.budget, float) and compressor.budget_mode == "fixed"
             hint = "budget_mode='paper' (a fraction of the keys seen so far)" if fixed else "a smaller budget"
             warnings.warn(
-                f"{policy!r} evicts nothing in this rollout: prompts of {int(self._lengths_cpu.min())} to "
+                f"{compressor!r} evicts nothing in this rollout: prompts of {int(self._lengths_cpu.min())} to "
                 f"{int(self._lengths_cpu.max())} tokens with max_new_tokens={self.max_new_tokens} fit its budget at "
                 f"every step, so the rollout is dense; use {hint}",
                 UserWarning,

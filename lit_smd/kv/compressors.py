@@ -2,7 +2,7 @@
 
 One small validated dataclass per method, in the style of kvpress "presses". A compressor never touches
 tensors it does not own: the budgeted cache (`lit_smd.kv.cache`) asks it for *keep scores* and does the
-bookkeeping (slots, eviction steps, budgets) itself. Higher score = keep; ``+inf`` = protected. What a policy
+bookkeeping (slots, eviction steps, budgets) itself. Higher score = keep; ``+inf`` = protected. What a compressor
 reads is `lit_smd.kv.prefill.PrefillContext` (the prompt's dense attention) and `DecodeState` (the cached keys after
 a decode query); the cache builds both and imports this module, never the other way round.
 
@@ -19,10 +19,9 @@ after the shared ones) and its scores:
   head; during decoding the lowest-scoring key outside the recent window is evicted.
 * `RecentWindow` (StreamingLLM, Xiao et al. 2023, arXiv 2309.17453): attention sinks plus the most recent keys
   (recency is its score, so its ``window`` is not a field: only the current key is protected).
-* `RandomEviction`: sinks + recent window + uniformly random keys (drawn from the rollout's generator): the control
-  policy.
-* `PrefillThenDecode` (a pair, not a `BaseCompressor`): a prefill policy followed by a decode policy (e.g. SnapKV
-  then H2O), so that both the prompt and the generation stay within budget.
+* `RandomEviction`: sinks + recent window + uniformly random keys (drawn from the rollout's generator): the control.
+* `PrefillThenDecode` (a pair, not a `BaseCompressor`): a prefill compressor followed by a decode compressor (e.g.
+  SnapKV then H2O), so that both the prompt and the generation stay within budget.
 
 Departures from the papers, all deliberate:
 
@@ -33,7 +32,7 @@ Departures from the papers, all deliberate:
 * H2O scores are raw accumulated sums by default, as in the paper. Raw sums favour old keys (key ``j`` has
   been seen by more queries); ``normalize=True`` divides by the number of queries that saw each key, like
   kvpress' ObservedAttentionPress.
-* Decode-time policies evict *after* the current query has attended: a decode query sees at most
+* Decode-time compressors evict *after* the current query has attended: a decode query sees at most
   ``budget + 1`` keys (itself included) and a key dropped at the end of step ``s`` can no longer be seen
   from position ``s + 1`` on.
 
@@ -92,11 +91,11 @@ def _protect(scores: torch.Tensor, positions: torch.Tensor, newest: torch.Tensor
 
 @dataclass
 class DecodeState:
-    """What a decode policy may look at after the current query has attended (built by `lit_smd.kv.cache`).
+    """What a decode compressor may look at after the current query has attended (built by `lit_smd.kv.cache`).
 
     Attributes:
         positions: ``[B, H_kv, C]`` logical position held by each slot (``-1`` = free).
-        accumulated: ``[B, H_kv, C]`` attention accumulated by each slot's key (zeros unless the policy
+        accumulated: ``[B, H_kv, C]`` attention accumulated by each slot's key (zeros unless the compressor
             accumulates attention).
         newest: ``[B]`` logical position of the current query.
         generator: Generator for randomised policies (the rollout's; None = torch's default generator).
@@ -113,7 +112,7 @@ class Compressor(Protocol):
     """What every compressor provides (`SnapKV`, `H2O`, `RecentWindow`, `RandomEviction`, `PrefillThenDecode`).
 
     A Protocol rather than a union of the dataclasses, so that LightningCLI honours ``class_path`` in configs
-    (and users can bring their own policy). Decode-time policies also implement ``decode_scores(state)``.
+    (and users can bring their own compressor). Decode-time compressors also implement ``decode_scores(state)``.
     """
 
     budget: int | float
@@ -287,7 +286,7 @@ class RecentWindow(BaseCompressor):
 
 @dataclass(kw_only=True)
 class RandomEviction(BaseCompressor):
-    """Control policy: sinks + recent window + uniformly random keys.
+    """Control compressor: sinks + recent window + uniformly random keys.
 
     The random keys are drawn from the generator of the `lit_smd.rollout.generate` call (the sampling generator),
     so a seeded rollout is reproducible and different calls evict differently.
@@ -315,7 +314,7 @@ class RandomEviction(BaseCompressor):
 
 @dataclass
 class PrefillThenDecode:
-    """A prefill policy followed by a decode policy, sharing one budget.
+    """A prefill compressor followed by a decode compressor, sharing one budget.
 
     Args:
         prefill: Chooses the prompt keys kept after the dense prefill (e.g. `SnapKV`).

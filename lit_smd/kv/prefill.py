@@ -17,7 +17,7 @@ columns, the sliding window's edge): nothing of size ``P x P`` is ever allocated
 high (at least `MIN_BLOCK_ROWS`), so a strip holds as many scores as the layer's query tensor has elements
 (float32/64): the prefill's peak grows by a buffer of the query's size, not with ``P^2``.
 
-When a policy needs no column sums, the output comes from SDPA (``is_causal``; one call per prompt when prompts
+When a compressor needs no column sums, the output comes from SDPA (``is_causal``; one call per prompt when prompts
 are left-padded, on the unpadded slice) and SnapKV's window rows from a strip pass over the last ``window`` queries
 only. Pad query rows attend to themselves inside the kernel (no NaN) and are then zeroed: their output is zero
 and they add nothing to any score.
@@ -196,9 +196,9 @@ def causal_prompt_attention(
 
 @dataclass
 class PrefillContext:
-    """What a prefill policy may look at: the exact dense prefill attention of one layer, in O(P) memory.
+    """What a prefill compressor may look at: the exact dense prefill attention of one layer, in O(P) memory.
 
-    `attend` computes the layer's prompt attention output; when told that the policy needs the column sums (or
+    `attend` computes the layer's prompt attention output; when told that the compressor needs the column sums (or
     SnapKV's window rows), it computes them in the same pass. Asked for later, they are computed on demand.
 
     Attributes:

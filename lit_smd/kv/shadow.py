@@ -28,7 +28,7 @@ Contract (other code and tests rely on it):
 * Query head ``q`` reads KV head ``q // G`` with ``G = H_q / H_kv`` (transformers' ``repeat_kv`` order).
 
 Because positions are logical, the learner may use any padding layout. The learner never re-runs the
-eviction policy (its decisions depend on attention numerics); it replays the record.
+eviction rule (its decisions depend on attention numerics); it replays the record.
 
 Departures from the paper (of which only the abstract could be read) and its public code
 (github.com/huthvincent/RL-Post-Training-with-KV-Cache-Compression):
