@@ -313,6 +313,13 @@ def row_key(meta: dict[str, Any]) -> tuple:
     return (meta.get("budget") or 0.0, meta.get("selection") or "", meta["mode"], meta.get("lambda"))
 
 
+def row_order(key: tuple) -> tuple:
+    """Sort key of a `row_key`: dense first, then by falling budget, `SELECTIONS` order, mode, lambda."""
+    budget, selection, mode, lam = key
+    modes = {"dense": 0, "naive": 1, "sparse_rl": 2, "smd": 3}
+    return mode != "dense", -budget, SELECTIONS.index(selection) if selection else -1, modes.get(mode, 9), lam or 0
+
+
 def _position_means(curves: list[list[float] | None]) -> list[float]:
     """Per-position mean over seeds of per-position curves (positions some seeds lack are averaged over the rest)."""
     curves = [c for c in curves if c]
@@ -336,9 +343,7 @@ def summarise(
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = []
-    order = {"dense": 0, "naive": 1, "sparse_rl": 2, "smd": 3}  # dense first, then by falling budget
-    for key in sorted(groups, key=lambda k: (k[2] != "dense", -k[0], SELECTIONS.index(k[1]) if k[1] else -1,
-                                             order.get(k[2], 9), k[3] or 0)):  # fmt: skip
+    for key in sorted(groups, key=row_order):
         runs = sorted(groups[key], key=lambda r: r["cell"]["meta"]["seed"])
         budget, selection, mode, lam = key
         seeds = [r["cell"]["meta"]["seed"] for r in runs]
@@ -424,7 +429,7 @@ def efficiency_table(results: dict[str, dict[str, Any]]) -> tuple[str, list[dict
     columns = " | ".join(f"{name} | × dense" for name, _ in EFFICIENCY)
     lines = [f"| compression | selection | mode | λ | seeds | {columns} |", "|" + "---|" * (5 + 2 * len(EFFICIENCY))]
     rows = []
-    for key in sorted(groups, key=lambda k: (k[2] != "dense", -k[0], k[1], k[2], k[3] or 0)):
+    for key in sorted(groups, key=row_order):
         runs = sorted(groups[key], key=lambda r: r["cell"]["meta"]["seed"])
         budget, selection, mode, lam = key
         seeds = [r["cell"]["meta"]["seed"] for r in runs]
