@@ -9,7 +9,7 @@ written by hand from these files.
 Usage::
 
     python benchmarks/repro/run.py                          # retrieval, 5 seeds: hours on 2 CPU cores
-    python benchmarks/repro/run.py --task chain --out out/repro-chain --distill-seeds 0 1 2 --distill-steps 300
+    python benchmarks/repro/run.py --task chain --out out/repro-chain --distill-steps 300
     python benchmarks/repro/run.py --quick --out /tmp/q --publish ''   # the pipeline end to end, minutes
 """
 
