@@ -112,6 +112,14 @@ class OutputHead:
         dtype = torch.float64 if torch.float64 in (hidden.dtype, self.weight.dtype) else torch.float32
         return self.transform.apply_(linear(hidden, self.weight, self.bias).to(dtype))  # [..., V]
 
+    @torch.no_grad()
+    def argmax(self, hidden: Tensor, chunk_size: int) -> Tensor:
+        """The greedy token ``argmax(self(hidden))`` of hidden states ``[..., H] -> [...]``, projecting ``chunk_size``
+        rows at a time (no ``[rows, V]`` logits beyond one chunk; an empty input gives an empty result)."""
+        rows = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+        top = [self(chunk).argmax(-1) for chunk in rows.split(chunk_size)]  # [C] each
+        return torch.cat(top).view(hidden.shape[:-1])
+
 
 def output_head(model: torch.nn.Module) -> OutputHead:
     """The `OutputHead` of a transformers causal LM: its output embeddings and its family's logit post-processing.

@@ -79,7 +79,7 @@ from lit_smd.fsdp import gathered
 from lit_smd.learner import LearnerLayout, check_learner_layout, learner_hidden_states
 from lit_smd.lora import LoraSettings, check_lora
 from lit_smd.losses.grpo import masked_mean
-from lit_smd.losses.head import OutputHead, output_head
+from lit_smd.losses.head import output_head
 from lit_smd.losses.kl import chunked_token_kl, sampled_reverse_kl
 from lit_smd.losses.kl_topk import TailMode, topk_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
@@ -351,7 +351,7 @@ class DistillModule(LightningModule):
             teacher_head = output_head(self.teacher)
             with torch.no_grad():
                 teacher_hidden = self._hidden(self.teacher, rollout)  # [B, N, H_T]
-            teacher_top1 = _chunked_argmax(teacher_hidden, teacher_head, chunk)  # [B, N]
+            teacher_top1 = teacher_head.argmax(teacher_hidden, chunk)  # [B, N]
         if self.estimator == "full":
             out = chunked_token_kl(student_hidden, head, teacher_hidden, teacher_head=teacher_head, **weights, **common)
         if self.estimator == "sampled":
@@ -375,7 +375,7 @@ class DistillModule(LightningModule):
                 "distill/reverse_kl": out.reverse_kl,
                 "distill/student_entropy": out.student_entropy,
             }
-        student_top1 = _chunked_argmax(student_hidden, head, chunk)  # [B, N]
+        student_top1 = head.argmax(student_hidden, chunk)  # [B, N]
         metrics["distill/top1_agreement"] = masked_mean((student_top1 == teacher_top1).double(), mask)
         return loss, metrics
 
@@ -471,11 +471,3 @@ class DistillModule(LightningModule):
     def _hidden(self, model: PreTrainedModel, rollout: Rollout) -> Tensor:
         """``[B, N, H]`` teacher-forced hidden states of ``model`` predicting ``rollout``'s completions (dense view)."""
         return learner_hidden_states(model, rollout, shadow=False, layout=self.learner_layout).hidden
-
-
-@torch.no_grad()
-def _chunked_argmax(hidden: Tensor, head: OutputHead, chunk_size: int) -> Tensor:
-    """``argmax(head(hidden))``, ``chunk_size`` rows at a time: ``[..., H] -> [...]``."""
-    rows = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
-    top = [head(rows[s : s + chunk_size]).argmax(-1) for s in range(0, rows.shape[0], chunk_size)]
-    return torch.cat(top).view(hidden.shape[:-1])

@@ -143,8 +143,7 @@ class SFTModule(LightningModule):
         logprobs, _ = token_logprobs_and_entropy(
             rows[None], head, targets[mask][None], chunk_size=self.logits_chunk_size
         )  # [1, n]
-        with torch.no_grad():
-            greedy = torch.cat([head(chunk).argmax(-1) for chunk in rows.detach().split(self.logits_chunk_size)])  # [n]
+        greedy = head.argmax(rows.detach(), self.logits_chunk_size)  # [n]
         out_logprobs = hidden.new_zeros(targets.shape, dtype=logprobs.dtype).masked_scatter(mask, logprobs[0])
         correct = torch.ones_like(mask).masked_scatter(mask, greedy == targets[mask])
         return out_logprobs, correct

@@ -120,3 +120,12 @@ def test_topk_token_kl_applies_the_transform_with_its_gradient():
     for ours, theirs in zip(_grads(out.loss, (hidden, weight, bias)),
                             _grads(reference.loss, (hidden, weight, bias)), strict=True):  # fmt: skip
         torch.testing.assert_close(ours, theirs, rtol=1e-9, atol=1e-12)
+
+
+def test_chunked_argmax_matches_the_full_projection():
+    hidden, weight, bias = _inputs()  # [2, 5, H]
+    head = OutputHead(weight, bias, TRANSFORM)
+    full = _reference_logits(hidden, weight, bias).argmax(-1)  # [2, 5]
+    for chunk_size in (1, 3, 10, 64):
+        assert torch.equal(head.argmax(hidden, chunk_size), full)
+    assert head.argmax(hidden[:, :0], 3).shape == (2, 0)  # no rows: an empty result, not an error
