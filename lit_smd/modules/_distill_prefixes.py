@@ -29,10 +29,11 @@ def generate_prefixes(
     """``model``'s sampled completions of ``prompts`` (`lit_smd.rollout.generate`; under FSDP2 the whole model)."""
     configured = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
     configured = configured if isinstance(configured, list) else [configured]
+    stop = sorted({*prompts.eos_token_ids, *(i for i in configured if i is not None)})  # id 0 is a real EOS (Pythia)
     with gathered(model, layers=True):  # FSDP2: the whole model for the decode loop
         return generate(
             model, prompts.prompt_ids, prompts.prompt_mask, max_new_tokens=max_new_tokens,
-            temperature=temperature, eos_token_id=sorted({*prompts.eos_token_ids, *filter(None, configured)}),
+            temperature=temperature, eos_token_id=stop,
             pad_token_id=prompts.pad_token_id, generator=generator,
         )  # fmt: skip
 
