@@ -34,11 +34,11 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lit_smd.kv.attention import ensure_attention
-from lit_smd.kv.features import softmax_dtype
 from lit_smd.kv.flex import Backend
 from lit_smd.kv.packed import PackedPlan
 from lit_smd.kv.shadow import NEVER, AttentionPlan
 from lit_smd.losses.head import output_head
+from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.rollout import Rollout
 
 __all__ = [
@@ -119,7 +119,8 @@ def learner_hidden_states(
     packing = _pack(rollout, rows, group, shadow=shadow, backend=backend, capture=keep_prompt_kv)
     packed = _run_decoder(model, packing.ids, packing.positions, packing.plan)  # [R, W + S*N, H]
     hidden = _assemble(rollout, packing, packed, fallback, model, shadow=shadow, backend=backend)
-    prompt_hidden = packed[:, : packing.plan.prompt_width].detach() if keep_prompt_kv else None
+    # A copy, not a view: a view would keep the whole packed hidden states alive with the pass.
+    prompt_hidden = packed[:, : packing.plan.prompt_width].detach().clone() if keep_prompt_kv else None
     return LearnerPass(hidden, backend, packing, prompt_hidden, fallback)
 
 
@@ -153,6 +154,7 @@ def score(
     shadow: bool = True,
     temperature: float = 1.0,
     backend: Backend = "auto",
+    chunk_size: int = 1024,
 ) -> Tensor:
     """Teacher-forced log-probs of the completion tokens (one row per sample), differentiable.
 
@@ -164,6 +166,8 @@ def score(
         shadow: Replay the rollout's shadow mask (the learner view); ``False`` for the dense view.
         temperature: The rollout's sampling temperature.
         backend: Masked attention kernel: ``"sdpa"``, ``"flex"`` (CUDA, FlexAttention) or ``"auto"``.
+        chunk_size: Tokens per chunk of the vocabulary projection (`lit_smd.losses.logprobs`): the ``[B, N, V]``
+            logits are never built.
 
     Returns:
         ``[B, N]`` log-probs of the temperature-scaled full-vocabulary distribution (0 where
@@ -171,13 +175,14 @@ def score(
     """
     if not 0 < temperature < math.inf:
         raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
     head = output_head(model)  # refuses unknown logit post-processing before the forward
     ensure_attention(model)
     hidden = _per_row_hidden_states(model, rollout, shadow=shadow, backend=backend)  # [B, N, H]
-    logits = head(hidden)  # [B, N, V], as the model's forward computes them
-    dtype = softmax_dtype(logits.dtype)
-    logprobs = torch.log_softmax(logits.to(dtype) / temperature, dim=-1)
-    token_logprobs = logprobs.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)  # [B, N]
+    token_logprobs, _ = token_logprobs_and_entropy(
+        hidden, head, rollout.completion_ids, temperature=temperature, chunk_size=chunk_size
+    )  # [B, N], one [chunk_size, V] block of logits at a time
     return token_logprobs.masked_fill(~rollout.completion_mask, 0.0)
 
 

@@ -152,23 +152,36 @@ def _saved_tensors(fn):
     return result, saved
 
 
-def test_no_rows_heads_t_t_tensor_is_kept_for_backward(model64):
+def _two_length_axes(saved, lengths):
+    """Saved tensors with two axes of a sequence length (a mask or score block between forward and backward)."""
+    return [(shape, dtype) for shape, dtype in saved if sum(size in lengths for size in shape) >= 2]
+
+
+@pytest.mark.parametrize("layout", ["shared_prefix", "per_row"])
+def test_no_mask_or_scores_are_kept_for_backward(model64, layout, monkeypatch):
+    import lit_smd.kv.blocked as blocked
+
     model = model64("qwen3")
     rollout = _rollout(model)
-    learner, saved = _saved_tensors(lambda: learner_hidden_states(model, rollout, shadow=True))
-    plan = learner._packing.plan
-    width, slot_keys = plan.width, plan.prompt_width + plan.slot_width
-    heads = model.config.num_attention_heads
-    assert len({width, slot_keys, plan.prompt_width, plan.slot_width}) == 4  # the shapes below are unambiguous
-    # The slot attention is checkpointed: none of its masks ([R*S, h, N, W + N]), per-slot key copies or outputs is
-    # kept; the prompt's fused causal attention keeps only its [R, H, W, D] inputs.
+    packed = learner_hidden_states(model, rollout, shadow=True)._packing.plan
+    lengths = {packed.width, packed.prompt_width + packed.slot_width, rollout.prompt_ids.shape[1] + NEW}
+    lengths |= {packed.prompt_width, packed.slot_width}
+    assert not lengths & {model.config.hidden_size, model.config.head_dim}  # the shapes below are unambiguous
+    monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 64)  # several query blocks per layer
+    _, saved = _saved_tensors(lambda: learner_hidden_states(model, rollout, shadow=True, layout=layout))
     assert saved, "nothing was saved: the hooks did not run"
+    # Every query block is checkpointed: none of its masks, per-slot key copies or scores is kept.
     assert not [shape for shape, dtype in saved if dtype == torch.bool]
-    assert not [shape for shape, _ in saved if len(shape) == 4 and shape[-1] in (width, slot_keys)]
-    # The per-row pass keeps a [B, H_q, T, T] mask per layer: the checks above can fail.
-    _, per_row = _saved_tensors(lambda: _per_row(model, rollout, True))
-    per_row_width = rollout.prompt_ids.shape[1] + NEW
-    assert (len(rollout), heads, per_row_width, per_row_width) in {shape for shape, _ in per_row}
+    assert not _two_length_axes(saved, lengths)
+    # Without the checkpoint each block's mask (as SDPA's float mask) is kept: the check above can fail.
+    blocks = blocked.over_query_blocks
+    monkeypatch.setattr(blocked, "over_query_blocks", lambda run, n, block, recompute: blocks(run, n, block,
+                                                                                               recompute=False))
+    import lit_smd.kv.packed as packed_module
+
+    monkeypatch.setattr(packed_module, "over_query_blocks", blocked.over_query_blocks)
+    _, unchecked = _saved_tensors(lambda: learner_hidden_states(model, rollout, shadow=True, layout=layout))
+    assert _two_length_axes(unchecked, lengths)
 
 
 def test_checkpointed_slot_attention_holds_only_storage_autograd_keeps_anyway(model64, monkeypatch):
@@ -236,9 +249,27 @@ def test_grpo_module_rejects_an_unknown_layout(tiny_model):
         GRPOModule(tiny_model, mode="dense", learner_layout="packed")
 
 
+def _naive_slot_visibility(plan, layer: int, window: int | None) -> torch.Tensor:
+    """``[R, S, H_kv, N, W + N]`` visibility of each slot query over ``[prompt | own slot]``, from the contract."""
+    rows, width, new = plan.prompt_lengths.shape[0], plan.prompt_width, plan.slot_width
+    t = torch.arange(new)[:, None]  # [N, 1] slot query
+    c = torch.arange(width + new)[None, :]  # [1, W + N] key column
+    lengths = plan.prompt_lengths[:, None, None]  # [R, 1, 1]
+    query_pos = lengths + t  # logical positions
+    key_pos = torch.where(c < width, c, lengths + c - width)
+    visible = torch.where(c < width, c < lengths, (c - width) <= t)  # [R, N, W + N]
+    if window is not None:
+        visible &= (query_pos - key_pos) < window
+    visible = visible[:, None, None]  # [R, 1, 1, N, W + N]
+    if plan.steps is not None:
+        visible = visible & (query_pos[:, None, None] < plan.steps[layer][:, :, :, None, :].transpose(1, 2))
+    visible = visible | ((c - width) == t)  # a query sees itself
+    return visible.expand(rows, plan.num_slots, -1, -1, -1)
+
+
 @pytest.mark.parametrize("window", [None, 9])
-def test_flex_block_mask_matches_the_sdpa_masks(model64, window):
-    """CUDA's FlexAttention mask of a packed row: slot rows equal the SDPA slot mask, prompt rows are causal."""
+def test_flex_block_mask_matches_the_contract(model64, window):
+    """CUDA's FlexAttention mask of a packed row: slot rows as the shadow-mask contract says, prompt rows causal."""
     from torch.nn.attention.flex_attention import create_mask
 
     model = model64("qwen3")
@@ -253,8 +284,7 @@ def test_flex_block_mask_matches_the_sdpa_masks(model64, window):
     for layer in range(model.config.num_hidden_layers):
         block_mask = plan._block_mask(layer, heads, kv_heads, window)
         dense = create_mask(block_mask.mask_mod, rows, heads, plan.width, plan.width, device="cpu")  # [R, Hq, T, T]
-        slots = plan._slot_mask(layer, window, torch.device("cpu"))  # [R*S, Hkv, N, W + N]
-        slots = slots.unflatten(0, (rows, plan.num_slots)).repeat_interleave(heads // kv_heads, dim=2)
+        slots = _naive_slot_visibility(plan, layer, window).repeat_interleave(heads // kv_heads, dim=2)
         for slot in range(plan.num_slots):
             own = torch.zeros(plan.width, dtype=torch.bool)
             own[width + slot * plan.slot_width : width + (slot + 1) * plan.slot_width] = True
@@ -284,3 +314,33 @@ def test_activation_checkpointing_gives_the_same_gradients(model64):
     model.train()
     model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     _assert_same(model, rollout, True)
+
+
+@pytest.mark.parametrize("layout", ["shared_prefix", "per_row"])
+def test_query_blocks_and_pruned_keys_replay_the_rollout_exactly(model64, family, layout, monkeypatch):
+    """Many small query blocks, each over only its live keys, give the one-block pass's log-probs and gradients."""
+    import lit_smd.kv.blocked as blocked
+
+    model = model64(family)
+    rollout = _rollout(model)
+    reference, reference_grads = _logprobs_and_grads(
+        model, rollout, lambda: learner_hidden_states(model, rollout, shadow=True, layout=layout).hidden
+    )
+    assert (reference - rollout.logprobs).abs().max() <= 1e-12
+    pruned = []
+    alive_index = blocked.alive_index
+    monkeypatch.setattr(blocked, "MIN_BLOCK", 4)
+    monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 64)
+    monkeypatch.setattr(blocked, "PRUNE_BELOW", 1.0)
+    spy = lambda alive: pruned.append(alive_index(alive)) or pruned[-1]  # noqa: E731
+    monkeypatch.setattr(blocked, "alive_index", spy)
+    import lit_smd.kv.packed as packed
+
+    monkeypatch.setattr(packed, "alive_index", spy)
+    logprobs, grads = _logprobs_and_grads(
+        model, rollout, lambda: learner_hidden_states(model, rollout, shadow=True, layout=layout).hidden
+    )
+    assert any(index is not None for index in pruned), "no block pruned a key: the test would be vacuous"
+    assert (logprobs - rollout.logprobs).abs().max() <= 1e-12
+    for name, grad in reference_grads.items():
+        assert (grad - grads[name]).abs().max() <= 1e-10, name

@@ -18,21 +18,22 @@ The prompt queries stay plain causal: sharing is only used when no prompt key wa
 prompt's hidden states are those of the dense view. `lit_smd.learner` decides this and falls back to the
 per-row pass otherwise.
 
-Attention per layer (SDPA path, any device):
+Attention per layer (SDPA path, any device; `lit_smd.kv.blocked`):
 
-* prompt queries ``[R, H_q, W]`` over the prompt keys with ``is_causal`` (the fused causal kernel; a boolean mask only
-  for sliding-window layers shorter than ``W``);
-* slot queries with the slots in the batch: each slot's ``N`` queries attend to ``[prompt keys | its own N keys]``
-  (``W + N`` columns, the prompt keys copied per slot), with a boolean mask ``[R*S, 1, N, W + N]`` for the dense view
-  and ``[R*S, H_kv, N, W + N]`` under the shadow mask. The KV heads are then folded into the batch (``[R*S*H_kv, G,
-  N, D]`` queries over ``[R*S*H_kv, 1, W + N, D]`` keys), so a mask row serves the ``G`` query heads of its KV head
-  without being repeated. Nothing grows with ``(S*N)^2``: the cost is that of ``S`` rows of ``W + N`` keys.
+* prompt queries ``[R, H_q, W]`` over the prompt keys: the fused causal kernel with no mask (causal attention hides
+  the right padding from real queries); layers with a sliding window shorter than ``W`` or with softcap / sinks run
+  in query blocks whose masks are computed per block;
+* slot queries with the slots in the batch: each slot's queries attend to ``[prompt keys | its own keys]`` in blocks
+  of queries ``[t0, t1)`` over ``W + t1`` columns, each block with a mask ``[R*S, 1 or H_kv, t1 - t0, W + t1]``
+  computed from the prompt lengths, the window and (shadow view) the eviction steps, and dropped after the block.
+  Under the shadow mask the KV heads are folded into the batch (``[R*S*H_kv, G, ., D]`` queries over
+  ``[R*S*H_kv, 1, ., D]`` keys), so a mask row serves the ``G`` query heads of its KV head without being repeated,
+  and each block attends only over the keys it can see (those evicted before the block starts are gathered out).
 
-Nothing of shape ``[rows, heads, T, T]`` is built or kept for backward. The slot attention is checkpointed under
-autograd: SDPA on CPU would keep a float copy of its mask (and the per-slot key copies and output) for the backward;
-they are rebuilt there instead, from the query / key / value slices the prompt's fused causal attention keeps
-anyway. On CUDA the default backend is FlexAttention over the whole packed row with a `BlockMask`, which skips fully
-masked blocks and applies no mask in fully visible ones.
+Nothing grows with the square of any length: the memory of a block is bounded (`lit_smd.kv.blocked.BLOCK_ELEMENTS`),
+and under autograd every block is checkpointed, so its masks, per-slot key copies and scores are rebuilt in the
+backward pass instead of being kept. On CUDA the default backend is FlexAttention over the whole packed row with a
+`BlockMask`, which skips fully masked blocks and applies no mask in fully visible ones.
 
 Reusing the prompt (the dense teacher of SMD): a pass built with ``capture_prompt_kv=True`` keeps every layer's prompt
 keys and values (detached). `PackedPlan.for_slots` then describes a pass over the slot tokens only that attends to
@@ -44,9 +45,16 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
-from torch.utils.checkpoint import checkpoint
 
-from lit_smd.kv.features import PLAIN, AttentionFeatures, attention, softmax_dtype
+from lit_smd.kv.blocked import (
+    alive_index,
+    causal_rows_attention,
+    fold_kv_heads,
+    gather_keys,
+    over_query_blocks,
+    query_block,
+)
+from lit_smd.kv.features import PLAIN, AttentionFeatures, attention
 from lit_smd.kv.flex import Backend, flex_feature_attention, use_flex
 
 __all__ = ["PackedPlan"]
@@ -110,15 +118,15 @@ class PackedPlan:
                                      sliding_window, features)  # fmt: skip
             return out.transpose(1, 2).contiguous()
         if self.capture_prompt_kv:
-            self.prompt_kv[layer_idx] = (key[:, :, :width].detach(), value[:, :, :width].detach())
+            # Copies, not views: a view of the packed row would keep the whole row's keys alive with the plan.
+            self.prompt_kv[layer_idx] = (key[:, :, :width].detach().clone(), value[:, :, :width].detach().clone())
         if use_flex(self.backend, query.device, dropout):
             block_mask = self._block_mask(layer_idx, query.shape[1], key.shape[1], sliding_window)
             return flex_feature_attention(query, key, value, block_mask, scaling, features).transpose(1, 2).contiguous()
-        windowed = sliding_window is not None and sliding_window < width
-        prompt_mask = self._prompt_window_mask(sliding_window, query.device) if windowed else None  # None = causal
-        prompt_out = attention(
-            query[:, :, :width], key[:, :, :width], value[:, :, :width], prompt_mask, scaling, features, dropout=dropout
-        )  # [R, Hq, W, D]
+        prompt_out = causal_rows_attention(
+            query[:, :, :width], key[:, :, :width], value[:, :, :width], self.prompt_lengths, None, scaling,
+            sliding_window, features, dropout=dropout,
+        )  # [R, Hq, W, D]; the prompt queries are the dense view's (no prompt key is evicted before it ends)
         slot_out = self._attend_slots(
             layer_idx, query[:, :, width:], key[:, :, :width], value[:, :, :width], key[:, :, width:],
             value[:, :, width:], scaling, dropout, sliding_window, features,
@@ -130,92 +138,69 @@ class PackedPlan:
         features,
     ) -> torch.Tensor:
         """Slot queries ``[R, H_q, S*N, D]`` over the prompt keys ``[R, H_kv, W, D]`` and the slot keys
-        ``[R, H_kv, S*N, D]`` -> ``[R, H_q, S*N, D]``.
+        ``[R, H_kv, S*N, D]`` -> ``[R, H_q, S*N, D_v]``.
 
-        Each slot is its own batch entry: its ``N`` queries over ``[prompt keys | its own N keys]`` (``W + N``
-        columns), so nothing grows with the square of ``S*N``. Under autograd the computation is checkpointed: its
-        copies of the keys, its float mask and its output are rebuilt in the backward pass instead of being kept
-        (the inputs are slices of tensors the prompt's attention keeps anyway).
+        Each slot is its own batch entry: its queries attend to ``[prompt keys | its own keys]``, so nothing grows
+        with the square of ``S*N``. The queries run in blocks (`lit_smd.kv.blocked`): block ``[t0, t1)`` of every
+        slot attends to ``W + t1`` columns, with a mask ``[R*S, 1 or H_kv, t1 - t0, W + t1]`` computed from the
+        prompt lengths, the window and (shadow view) the eviction steps, and dropped after the block. Under autograd
+        each block is checkpointed: its key copies, mask and scores are rebuilt in the backward pass.
         """
-
-        def slot_attention(query, prompt_key, prompt_value, slot_key, slot_value):
-            rows, q_heads, _, dim = query.shape
-            kv_heads, width, slots, new = prompt_key.shape[1], self.prompt_width, self.num_slots, self.slot_width
-            group = q_heads // kv_heads
-
-            def per_slot(prompt: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
-                # [R, Hkv, W, D], [R, Hkv, S*N, D] -> [R, S, Hkv, W + N, D]
-                prompt = prompt[:, None].expand(rows, slots, kv_heads, width, dim)
-                return torch.cat([prompt, own.unflatten(2, (slots, new)).transpose(1, 2)], dim=3)
-
-            keys, values = per_slot(prompt_key, slot_key), per_slot(prompt_value, slot_value)
-            queries = query.unflatten(2, (slots, new)).transpose(1, 2)  # [R, S, Hq, N, D]
-            mask = self._slot_mask(layer_idx, sliding_window, query.device)  # [R*S, 1 or Hkv, N, W + N]
-            if mask.shape[1] == 1 or kv_heads == 1:
-                batch, q_split, kv_split = rows * slots, q_heads, kv_heads
-            else:  # one mask row per KV head: fold the KV heads into the batch, the mask broadcasts over each group
-                batch, q_split, kv_split = rows * slots * kv_heads, group, 1
-            sinks = None
-            if features.sinks is not None:  # [batch, q_split, 1, 1]: query head (batch % Hkv) * G + g when folded
-                sinks = features.sinks.to(softmax_dtype(query.dtype)).view(1, -1, q_split, 1, 1)
-                sinks = sinks.expand(batch // sinks.shape[1], -1, -1, -1, -1).reshape(batch, q_split, 1, 1)
-            out = attention(
-                queries.reshape(batch, q_split, new, dim),
-                keys.reshape(batch, kv_split, width + new, dim),
-                values.reshape(batch, kv_split, width + new, dim),
-                mask.reshape(batch, -1, new, width + new),
-                scaling,
-                features,
-                dropout=dropout,
-                sinks=sinks,
-            )  # [R*S(*Hkv), Hq (or G), N, D]
-            return out.reshape(rows, slots, q_heads, new, dim).transpose(1, 2).reshape(rows, q_heads, slots * new, dim)
-
-        inputs = (query, prompt_key, prompt_value, slot_key, slot_value)
-        if torch.is_grad_enabled() and any(x.requires_grad for x in inputs):
-            return checkpoint(slot_attention, *inputs, use_reentrant=False)
-        return slot_attention(*inputs)
-
-    # ---------------------------------------------------------------------------------------------------- masks
-
-    def _prompt_window_mask(self, sliding_window: int, device: torch.device) -> torch.Tensor:
-        """``[1, 1, W, W]`` causal sliding-window mask of the prompt queries."""
-        key = ("prompt", sliding_window)
-        if key not in self._masks:
-            positions = torch.arange(self.prompt_width, device=device)
-            distance = positions[:, None] - positions[None, :]
-            self._masks[key] = ((distance >= 0) & (distance < sliding_window))[None, None]
-        return self._masks[key]
-
-    def _slot_mask(self, layer_idx: int, sliding_window: int | None, device: torch.device) -> torch.Tensor:
-        """Boolean visibility ``[R*S, 1 or H_kv, N, W + N]`` of each slot's queries over the prompt keys (columns
-        ``[0, W)``) and the slot's own keys (columns ``[W, W + N)``); the dense view's is one for all layers."""
-        cache_key = ("slots", sliding_window) if self.steps is None else None
-        if cache_key in self._masks:
-            return self._masks[cache_key]
-        rows, width, slots, new = self.prompt_lengths.shape[0], self.prompt_width, self.num_slots, self.slot_width
-        lengths = self.prompt_lengths.to(device)
-        t = torch.arange(new, device=device)
-        c = torch.arange(width, device=device)
-        query_pos = lengths[:, None] + t[None, :]  # [R, N] logical positions of the slot queries
-        prompt_vis = (c[None, None, :] < lengths[:, None, None]).expand(rows, new, width)  # [R, N, W]
-        own_vis = (t[None, :] <= t[:, None])[None].expand(rows, new, new)  # [R, N, N] causal within the slot
-        if sliding_window is not None:
-            prompt_vis = prompt_vis & ((query_pos[:, :, None] - c[None, None, :]) < sliding_window)
-            own_vis = own_vis & ((t[:, None] - t[None, :]) < sliding_window)[None]
-        visible = torch.cat([prompt_vis, own_vis], dim=-1)[:, None, None]  # [R, 1, 1, N, W + N]
-        if self.steps is not None:
-            steps = self.steps[layer_idx].to(device)  # [R, Hkv, S, W + N]
-            visible = visible & (query_pos[:, None, None, :, None] < steps[:, :, :, None, :])  # [R, Hkv, S, N, W + N]
-            visible = visible.transpose(1, 2)  # [R, S, Hkv, N, W + N]
+        rows, q_heads, _, dim = query.shape
+        kv_heads, width, slots, new = prompt_key.shape[1], self.prompt_width, self.num_slots, self.slot_width
+        device = query.device
+        lengths = self.prompt_lengths.to(device)  # [R]
+        steps = None if self.steps is None else self.steps[layer_idx].to(device).transpose(1, 2)  # [R, S, Hkv, W + N]
+        fold = steps is not None and kv_heads > 1  # one mask row per KV head: KV heads into the batch
+        queries = query.unflatten(2, (slots, new)).transpose(1, 2)  # [R, S, Hq, N, D]
+        if fold:
+            queries, sinks = fold_kv_heads(queries.reshape(rows * slots, q_heads, new, dim), features, kv_heads)
         else:
-            visible = visible.expand(rows, slots, 1, new, width + new)
-        itself = torch.cat([torch.zeros(new, width, dtype=torch.bool, device=device),
-                            torch.eye(new, dtype=torch.bool, device=device)], dim=1)  # fmt: skip
-        mask = (visible | itself).reshape(rows * slots, -1, new, width + new)  # a query always sees itself: no NaN
-        if cache_key is not None:
-            self._masks[cache_key] = mask
-        return mask
+            queries, sinks = queries.reshape(rows * slots, q_heads, new, dim), None  # [R*S(*Hkv), Hq or G, N, D]
+        columns = torch.arange(width, device=device)
+
+        def run(start: int, stop: int) -> torch.Tensor:
+            def per_slot(prompt: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
+                # [R, Hkv, W, Dk], [R, Hkv, S*N, Dk] -> [R*S(*Hkv), Hkv or 1, W + stop, Dk]
+                prompt = prompt[:, None].expand(rows, slots, kv_heads, width, prompt.shape[-1])
+                own = own.unflatten(2, (slots, new)).transpose(1, 2)[:, :, :, :stop]
+                joined = torch.cat([prompt, own], dim=3)  # [R, S, Hkv, W + stop, Dk]
+                return joined.reshape(rows * slots * kv_heads, 1, width + stop, -1) if fold else joined.flatten(0, 1)
+
+            t = torch.arange(start, stop, device=device)  # [Bq] slot positions of the block's queries
+            u = torch.arange(stop, device=device)  # [t1] the slot's own key columns
+            query_pos = lengths[:, None] + t[None, :]  # [R, Bq] logical positions
+            prompt_vis = (columns[None, None, :] < lengths[:, None, None]).expand(rows, stop - start, width)
+            own_vis = u[None, :] <= t[:, None]  # [Bq, t1]
+            if sliding_window is not None:
+                prompt_vis = prompt_vis & ((query_pos[:, :, None] - columns[None, None, :]) < sliding_window)
+                own_vis = own_vis & ((t[:, None] - u[None, :]) < sliding_window)
+            visible = torch.cat([prompt_vis, own_vis[None].expand(rows, -1, -1)], dim=-1)  # [R, Bq, W + t1]
+            visible = visible[:, None, None]  # [R, 1, 1, Bq, W + t1]
+            keys, values = per_slot(prompt_key, slot_key), per_slot(prompt_value, slot_value)  # [R*S(*Hkv), ., K, D]
+            if steps is None:
+                visible = visible.expand(rows, slots, 1, -1, -1).reshape(keys.shape[0], 1, stop - start, -1)
+            else:
+                key_steps = steps[..., : width + stop]  # [R, S, Hkv, K]
+                visible = visible & (query_pos[:, None, None, :, None] < key_steps[:, :, :, None, :])
+                visible[..., width:] |= u[None, :] == t[:, None]  # a query always sees itself: no NaN
+                visible = visible.reshape(keys.shape[0], 1, stop - start, -1)  # [R*S(*Hkv), 1, Bq, K]
+                if fold:  # drop the keys no query of the block sees (evicted before it, padding, other heads' ...)
+                    index = alive_index(visible.any(dim=2).squeeze(1))  # [R*S*Hkv, K'] or None
+                    if index is not None:
+                        keys, values = gather_keys(keys, index), gather_keys(values, index)
+                        visible = visible.gather(3, index[:, None, None, :].expand(-1, 1, stop - start, -1))
+            return attention(
+                queries[:, :, start:stop], keys, values, visible, scaling, features, dropout=dropout, sinks=sinks
+            )  # [R*S(*Hkv), Hq or G, Bq, Dv]
+
+        mask_rows = rows * slots * (kv_heads if fold else 1)
+        block = query_block(mask_rows, new, width + new)
+        inputs = (query, prompt_key, prompt_value, slot_key, slot_value)
+        recompute = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+        out = over_query_blocks(run, new, block, recompute=recompute)  # [R*S(*Hkv), Hq or G, N, Dv]
+        out = out.reshape(rows, slots, q_heads, new, out.shape[-1])
+        return out.transpose(1, 2).reshape(rows, q_heads, slots * new, out.shape[-1])
 
     def _block_mask(self, layer_idx: int, q_heads: int, kv_heads: int, sliding_window: int | None):
         """FlexAttention BlockMask of the whole packed row for one layer (one per plan for the dense view)."""

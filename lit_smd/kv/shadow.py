@@ -36,9 +36,9 @@ Departures from the paper (of which only the abstract could be read) and its pub
 * The mask is the record of the compressed rollout that actually sampled the tokens, prefill and decode evictions
   alike (SnapKV, H2O, recent window, random), per layer and KV head. The public code compresses the prompt only,
   once, at prefill, and computes its masks after a dense rollout.
-* It is stored as one eviction step per key, never as ``[T, T]`` masks: the replay builds a boolean mask one layer
-  at a time and drops it (SDPA, any device), or one sparse FlexAttention ``BlockMask`` per layer on CUDA
-  (`lit_smd.kv.flex`), where the public code adds a ``-inf`` bias in eager ``O(T^2)`` attention.
+* It is stored as one eviction step per key, never as ``[T, T]`` masks: the replay computes visibility where it is
+  used, per block of queries (`lit_smd.kv.blocked`, SDPA, any device; memory O(block x keys)) or in a FlexAttention
+  ``mask_mod`` on CUDA (`lit_smd.kv.flex`), where the public code adds a ``-inf`` bias in eager ``O(T^2)`` attention.
 * Evicted keys keep their original RoPE positions (StreamingLLM-style re-rotation could not be replayed by a mask).
 * The objective (GRPO on the masked policy plus the KL to the dense view, its stop-gradient side configurable) and
   its departures are documented in `lit_smd.modules.grpo`.
@@ -53,7 +53,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from lit_smd.kv.features import PLAIN, AttentionFeatures, attention
+from lit_smd.kv.blocked import causal_rows_attention
+from lit_smd.kv.features import PLAIN, AttentionFeatures
 from lit_smd.kv.flex import Backend, flex_feature_attention, use_flex
 
 __all__ = ["NEVER", "AttentionPlan", "ShadowMask"]
@@ -198,26 +199,11 @@ class AttentionPlan:
             block_mask = self.block_mask(layer_idx, query.shape[1], width, sliding_window)
             out = flex_feature_attention(query, key, value, block_mask, scaling, features)  # [B, Hq, T, D]
             return out.transpose(1, 2).contiguous()
-        group = query.shape[1] // key.shape[1]
-        visible = self.visible(layer_idx, width, sliding_window)  # [B, Hkv or 1, T, T]
-        if visible.shape[1] > 1:
-            visible = visible.repeat_interleave(group, dim=1)  # [B, Hq, T, T], this layer only
-        out = attention(query, key, value, visible, scaling, features, dropout=dropout)  # [B, Hq, T, D]
+        steps = None if self.shadow is None else self.shadow.evict_steps[layer_idx, :, :, :width]  # [B, Hkv, T]
+        out = causal_rows_attention(
+            query, key, value, self.lengths, steps, scaling, sliding_window, features, dropout=dropout
+        )  # [B, Hq, T, D]
         return out.transpose(1, 2).contiguous()
-
-    def visible(self, layer_idx: int, width: int, sliding_window: int | None) -> torch.Tensor:
-        """Boolean visibility ``[B, H_kv or 1, T, T]`` for one layer (query rows, key columns)."""
-        device = self.lengths.device
-        positions = torch.arange(width, device=device)
-        query, key = positions[:, None], positions[None, :]
-        visible = (key <= query) & (key < self.lengths[:, None, None])  # [B, T, T]
-        if sliding_window is not None:
-            visible &= (query - key) < sliding_window
-        visible = visible[:, None]  # [B, 1, T, T]
-        if self.shadow is not None:
-            steps = self.shadow.evict_steps[layer_idx, :, :, :width]  # [B, Hkv, T]
-            visible = visible & (query < steps[:, :, None, :])  # [B, Hkv, T, T]
-        return visible | torch.eye(width, dtype=torch.bool, device=device)  # pad rows see themselves: no NaN
 
     def block_mask(self, layer_idx: int, num_heads: int, width: int, sliding_window: int | None):
         """FlexAttention BlockMask for one layer, built once per plan and layer."""

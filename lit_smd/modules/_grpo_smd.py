@@ -21,7 +21,7 @@ from transformers import PreTrainedModel
 
 from lit_smd.datamodules.experience import report_phase
 from lit_smd.fsdp import is_sharded
-from lit_smd.learner import LearnerLayout, LearnerPass, dense_hidden_states, learner_hidden_states
+from lit_smd.learner import LearnerLayout, LearnerPass, dense_hidden_states, learner_hidden_states, shareable_groups
 from lit_smd.losses.head import output_head
 from lit_smd.losses.kl import KLOutput, chunked_token_kl
 from lit_smd.rollout import Rollout
@@ -32,11 +32,23 @@ def grpo_pass(
 ) -> LearnerPass:
     """One teacher-forced pass of ``model`` over ``rollout`` in ``layout``, as GRPO runs it.
 
-    Under FSDP2 the shadow view runs per row: which rows can share a prompt depends on each rank's own shadow masks,
-    and a rank with rows of both kinds would run the decoder (and its per-layer all-gathers) twice.
+    Under FSDP2 every rank must run the decoder (and its per-layer all-gathers) the same number of times, and which
+    rows can share a prompt in the shadow view depends on each rank's own shadow masks. So the shadow view keeps the
+    shared-prefix layout only when every row of every rank can share (one all-reduce of a flag; the usual case:
+    prefill evictions qualify), and otherwise runs per row on all ranks.
     """
-    layout = "per_row" if shadow and is_sharded(model) else layout
+    if shadow and layout == "shared_prefix" and is_sharded(model) and not _all_ranks_shareable(rollout):
+        layout = "per_row"
     return learner_hidden_states(model, rollout, shadow=shadow, layout=layout, keep_prompt_kv=keep_prompt_kv)
+
+
+def _all_ranks_shareable(rollout: Rollout) -> bool:
+    """Whether every row of every rank's ``rollout`` can share its prompt's encoding in the shadow view."""
+    shareable, _ = shareable_groups(rollout, shadow=True)
+    flag = torch.tensor([int(bool(shareable.all()) and len(rollout) > 0)], device=rollout.prompt_ids.device)
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        torch.distributed.all_reduce(flag, op=torch.distributed.ReduceOp.MIN)
+    return bool(flag.item())
 
 
 def smd_kl(

@@ -62,7 +62,17 @@ def _trainer(tmp_path: Path, strategy: object = "auto", **kwargs: object) -> L.T
     )  # fmt: skip
 
 
-def test_grpo_under_fsdp2_trains_like_one_device(tokenizer, tmp_path):
+def test_grpo_under_fsdp2_trains_like_one_device(tokenizer, tmp_path, monkeypatch):
+    import lit_smd.modules._grpo_smd as grpo_smd
+
+    layouts = []  # (sharded, shadow, layout) of every learner pass
+    learner = grpo_smd.learner_hidden_states
+
+    def spy(model, rollout, **kwargs):
+        layouts.append((isinstance(model, FSDPModule), kwargs["shadow"], kwargs["layout"]))
+        return learner(model, rollout, **kwargs)
+
+    monkeypatch.setattr(grpo_smd, "learner_hidden_states", spy)
     prompts = key_value_retrieval(8, num_pairs=3)
     finals, modules = [], []
     for strategy in ("auto", FSDP2Strategy(process_group_backend="gloo")):
@@ -83,6 +93,8 @@ def test_grpo_under_fsdp2_trains_like_one_device(tokenizer, tmp_path):
         modules.append(module)
     assert not isinstance(modules[0].policy, FSDPModule)
     assert isinstance(modules[1].policy, FSDPModule) and isinstance(modules[1].reference, FSDPModule)
+    # SMD's shadow view keeps the shared-prefix layout under FSDP2 (every row of the one rank can share its prompt).
+    assert (True, True, "shared_prefix") in layouts and (True, True, "per_row") not in layouts
     moved = max((finals[0][k] - v).abs().max().item() for k, v in _model(tokenizer).state_dict().items())
     assert moved > 1e-3
     for name, value in finals[0].items():

@@ -1,0 +1,180 @@
+"""Masked attention over blocks of queries: the learner's SDPA path, memory linear in every sequence length.
+
+The shadow view's visibility (`lit_smd.kv.shadow`: query ``i`` sees key ``j`` iff ``j <= i < e[j]``, per layer and
+KV head) has no kernel of its own on the CPU. Building it as one boolean ``[rows, heads, T, T]`` mask per layer, as
+the first learner did, costs gigabytes at the lengths SMD is for (one 16k-token row of a model with 8 KV heads:
+2 GiB of mask, and SDPA converts it to float). Here the queries are cut into blocks; each block's mask
+``[rows, heads, block, keys]`` is computed from the eviction steps where it is used, the block runs one SDPA call
+(or the explicit-softmax path of layers with softcap / sinks, `lit_smd.kv.features`) and the mask is dropped. Under
+autograd every block is checkpointed (`torch.utils.checkpoint`), so the backward rebuilds the block's mask instead of
+keeping it: the memory held between forward and backward is that of the queries, keys and values the model keeps
+anyway, and the transient memory is one block's, whatever the length.
+
+The block size is chosen so that one block's mask holds about `BLOCK_ELEMENTS` entries; a block never has fewer than
+`MIN_BLOCK` queries. The cost against one fused call: the forward attention runs twice under autograd (once more in
+the backward), and each block reads its mask.
+
+`causal_rows_attention` is the per-row form (right-padded rows whose column is the logical position); the dense view
+without a sliding window needs no mask at all there (causal attention hides right padding from real queries) and runs
+SDPA's fused causal kernel. `lit_smd.kv.packed` uses `over_query_blocks` and `fold_kv_heads` for its slots.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+from torch.utils.checkpoint import checkpoint
+
+from lit_smd.kv.features import AttentionFeatures, attention, softmax_dtype
+
+__all__ = ["BLOCK_ELEMENTS", "MIN_BLOCK", "causal_rows_attention", "fold_kv_heads", "over_query_blocks", "query_block"]
+
+BLOCK_ELEMENTS = 1 << 22
+"""Target number of mask entries of one query block (4M: a 4 MiB boolean mask, 16 MiB as SDPA's float mask)."""
+
+MIN_BLOCK = 64
+"""Fewest queries in a block (fewer make the per-call overhead dominate)."""
+
+
+def query_block(mask_rows: int, num_queries: int, num_keys: int) -> int:
+    """Queries per block so that a block's mask ``[mask_rows, block, num_keys]`` holds about `BLOCK_ELEMENTS`."""
+    block = BLOCK_ELEMENTS // max(1, mask_rows * num_keys)
+    return max(1, min(num_queries, max(MIN_BLOCK, block)))
+
+
+def over_query_blocks(run: Callable[[int, int], Tensor], num_queries: int, block: int, *, recompute: bool) -> Tensor:
+    """Concatenate ``run(start, stop) -> [B, H, stop - start, D]`` over query blocks along dim 2.
+
+    With ``recompute`` each block is checkpointed: what it builds (masks, key copies, scores) is rebuilt in the
+    backward pass instead of being kept.
+    """
+    outputs = []
+    for start in range(0, num_queries, block):
+        stop = min(num_queries, start + block)
+        if recompute:
+            outputs.append(checkpoint(run, start, stop, use_reentrant=False))
+        else:
+            outputs.append(run(start, stop))
+    return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+def fold_kv_heads(
+    query: Tensor, features: AttentionFeatures, kv_heads: int
+) -> tuple[Tensor, Tensor | None]:
+    """Fold the KV heads into the batch so that one mask row per KV head serves its ``G`` query heads.
+
+    ``query [B, H_q, T, D] -> [B * H_kv, G, T, D]`` (query head ``q`` reads KV head ``q // G``). Keys / values
+    ``[B, H_kv, S, D]`` fold as ``key.reshape(B * H_kv, 1, S, D)``. Returns the folded queries and the sink logits
+    ``[B * H_kv, G, 1, 1]`` of the folded layout (None without sinks).
+    """
+    batch, q_heads, length, dim = query.shape
+    group = q_heads // kv_heads
+    folded = query.reshape(batch * kv_heads, group, length, dim)
+    sinks = None
+    if features.sinks is not None:
+        sinks = features.sinks.to(softmax_dtype(query.dtype)).view(1, kv_heads, group, 1, 1)
+        sinks = sinks.expand(batch, -1, -1, -1, -1).reshape(batch * kv_heads, group, 1, 1)
+    return folded, sinks
+
+
+PRUNE_BELOW = 0.75
+"""Gather a query block's live keys when they are fewer than this share of its key range (`alive_index`)."""
+
+
+def alive_index(alive: Tensor) -> Tensor | None:
+    """Indices ``[B', K']`` of the keys a query block can see, live keys first in their order, or None.
+
+    ``alive [B', K]`` marks the keys of each mask row that some query of the block may see (not evicted before the
+    block starts, not padding). ``K'`` is the most live keys of any row; rows with fewer are padded with indices of
+    dead keys, which their visibility hides. None when pruning would keep at least `PRUNE_BELOW` of the range (the
+    gather would cost more than it saves).
+    """
+    counts = alive.sum(dim=-1)  # [B']
+    kept = int(counts.max())  # a host sync: this is the CPU path (CUDA runs FlexAttention, which skips blocks)
+    if kept >= PRUNE_BELOW * alive.shape[-1]:
+        return None
+    order = torch.argsort((~alive).to(torch.uint8), dim=-1, stable=True)  # live keys first, in position order
+    return order[:, : max(kept, 1)]
+
+
+def gather_keys(keys: Tensor, index: Tensor) -> Tensor:
+    """``keys [B', H', K, D]`` at ``index [B', K']`` (the same keys for every head of a row) -> ``[B', H', K', D]``."""
+    return keys.gather(2, index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1]))
+
+
+def causal_rows_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    lengths: Tensor,
+    steps: Tensor | None,
+    scaling: float,
+    sliding_window: int | None,
+    features: AttentionFeatures,
+    dropout: float = 0.0,
+) -> Tensor:
+    """Attention of right-padded rows whose column index is the logical position.
+
+    Query ``i`` of row ``b`` sees key ``j`` iff ``j <= i``, ``j < lengths[b]``, ``i - j < sliding_window`` (when
+    set) and, with ``steps``, ``i < steps[b, h, j]`` for its KV head ``h``; every query sees itself (padding queries
+    stay finite).
+
+    Args:
+        query: ``[B, H_q, T, D]``.
+        key: ``[B, H_kv, T, D]``.
+        value: ``[B, H_kv, T, D_v]``.
+        lengths: ``[B]`` real tokens per row.
+        steps: ``[B, H_kv, T]`` eviction steps of this layer (the shadow view), or None (the dense view).
+        scaling: Softmax scaling.
+        sliding_window: The layer's window, or None.
+        features: The layer's softcap and sinks.
+        dropout: Attention dropout probability.
+
+    Returns:
+        ``[B, H_q, T, D_v]``.
+    """
+    batch, q_heads, width, _ = query.shape
+    kv_heads = key.shape[1]
+    windowed = sliding_window is not None and sliding_window < width
+    if steps is None and not windowed and features.plain:
+        # Causal attention hides the right padding from every real query; padding queries see real keys too, and
+        # their outputs predict nothing. The fused causal kernel, no mask.
+        return attention(query, key, value, None, scaling, features, dropout=dropout)
+    device = query.device
+    lengths = lengths.to(device)
+    if steps is not None and kv_heads > 1:
+        query, sinks = fold_kv_heads(query, features, kv_heads)  # [B*Hkv, G, T, D]
+        key, value = key.reshape(batch * kv_heads, 1, width, -1), value.reshape(batch * kv_heads, 1, width, -1)
+        lengths = lengths.repeat_interleave(kv_heads)  # [B*Hkv]
+        steps = steps.reshape(batch * kv_heads, 1, -1)  # [B*Hkv, 1, T]
+    else:
+        sinks = None
+    mask_rows = query.shape[0]
+
+    def run(start: int, stop: int) -> Tensor:
+        lo = max(0, start - sliding_window + 1) if windowed else 0  # keys before lo are out of every query's window
+        q_pos = torch.arange(start, stop, device=device)[:, None]  # [Bq, 1]
+        k_pos = torch.arange(lo, stop, device=device)[None, :].expand(query.shape[0], -1)  # [B', K]
+        k, v = key[:, :, lo:stop], value[:, :, lo:stop]  # [B', H', K, D]
+        k_steps = None if steps is None else steps[:, 0, lo:stop]  # [B', K]
+        if k_steps is not None:  # drop the keys no query of the block can see (evicted before it starts)
+            index = alive_index((k_steps > start) & (k_pos < lengths[:, None]))  # [B', K'] or None
+            if index is not None:
+                k_pos, k_steps, k, v = k_pos.gather(1, index), k_steps.gather(1, index), gather_keys(k, index), \
+                    gather_keys(v, index)  # fmt: skip
+        k_pos = k_pos[:, None, :]  # [B', 1, K]
+        visible = (k_pos <= q_pos) & (k_pos < lengths[:, None, None])  # [B', Bq, K]
+        if windowed:
+            visible = visible & ((q_pos - k_pos) < sliding_window)
+        if k_steps is not None:
+            visible = visible & (q_pos < k_steps[:, None, :])
+        visible = (visible | (q_pos == k_pos))[:, None]  # [B', 1, Bq, K]
+        return attention(query[:, :, start:stop], k, v, visible, scaling, features, dropout=dropout, sinks=sinks)
+
+    keys_per_block = width if not windowed else min(width, sliding_window + query_block(mask_rows, width, width))
+    block = query_block(mask_rows, width, keys_per_block)
+    recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    out = over_query_blocks(run, width, block, recompute=recompute)  # [B', H', T, Dv]
+    return out.reshape(batch, q_heads, width, out.shape[-1])
