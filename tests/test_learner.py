@@ -344,3 +344,27 @@ def test_query_blocks_and_pruned_keys_replay_the_rollout_exactly(model64, family
     assert (logprobs - rollout.logprobs).abs().max() <= 1e-12
     for name, grad in reference_grads.items():
         assert (grad - grads[name]).abs().max() <= 1e-10, name
+
+
+def test_kept_prompt_keys_and_hidden_states_hold_only_the_prompt(model64):
+    model = model64("qwen3")
+    rollout = _rollout(model)
+    learner = learner_hidden_states(model, rollout, shadow=True, keep_prompt_kv=True)
+    kept = [tensor for pair in learner._packing.plan.prompt_kv.values() for tensor in pair] + [learner._prompt_hidden]
+    assert len(kept) == 2 * model.config.num_hidden_layers + 1
+    for tensor in kept:  # not a view into the packed row: the storage holds the prompt's columns only
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+        assert tensor.shape[-2] == learner._packing.plan.prompt_width
+
+
+def test_score_projects_in_chunks_with_the_same_result(model64):
+    from lit_smd.learner import score
+
+    model = model64("qwen3")
+    rollout = _rollout(model)
+    whole = score(model, rollout, shadow=True)
+    chunked = score(model, rollout, shadow=True, chunk_size=5)
+    assert (whole - rollout.logprobs).abs().max() <= 1e-12
+    assert (chunked - whole).abs().max() <= 1e-13
+    with pytest.raises(ValueError, match="chunk_size"):
+        score(model, rollout, chunk_size=0)
