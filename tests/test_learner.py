@@ -154,7 +154,7 @@ def _saved_tensors(fn):
 
 def _two_length_axes(saved, lengths):
     """Saved tensors with two axes of a sequence length (a mask or score block between forward and backward)."""
-    return [(shape, dtype) for shape, dtype in saved if sum(size in lengths for size in shape) >= 2]
+    return [(shape, dtype) for shape, dtype in saved if sum(size in lengths for size in shape[-2:]) >= 2]
 
 
 @pytest.mark.parametrize("layout", ["shared_prefix", "per_row"])
@@ -170,16 +170,20 @@ def test_no_mask_or_scores_are_kept_for_backward(model64, layout, monkeypatch):
     monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 64)  # several query blocks per layer
     _, saved = _saved_tensors(lambda: learner_hidden_states(model, rollout, shadow=True, layout=layout))
     assert saved, "nothing was saved: the hooks did not run"
-    # Every query block is checkpointed: none of its masks, per-slot key copies or scores is kept.
+    # Every query block is fused (its mask and keys rebuilt in the backward) or checkpointed: none of its masks,
+    # per-slot key copies or scores is kept.
     assert not [shape for shape, dtype in saved if dtype == torch.bool]
     assert not _two_length_axes(saved, lengths)
-    # Without the checkpoint each block's mask (as SDPA's float mask) is kept: the check above can fail.
+    # Without either, each block's mask (as SDPA's float mask) is kept: the check above can fail.
+    monkeypatch.setattr(blocked, "fused_blocks", lambda *args: False)
+    monkeypatch.setattr(blocked, "PRUNE_BELOW", 0.0)  # full key ranges: the masks' last axis is a length above
     blocks = blocked.over_query_blocks
     monkeypatch.setattr(blocked, "over_query_blocks", lambda run, n, block, recompute: blocks(run, n, block,
                                                                                                recompute=False))
     import lit_smd.kv.packed as packed_module
 
     monkeypatch.setattr(packed_module, "over_query_blocks", blocked.over_query_blocks)
+    monkeypatch.setattr(packed_module, "fused_blocks", blocked.fused_blocks)
     _, unchecked = _saved_tensors(lambda: learner_hidden_states(model, rollout, shadow=True, layout=layout))
     assert _two_length_axes(unchecked, lengths)
 
@@ -368,3 +372,30 @@ def test_score_projects_in_chunks_with_the_same_result(model64):
     assert (chunked - whole).abs().max() <= 1e-13
     with pytest.raises(ValueError, match="chunk_size"):
         score(model, rollout, chunk_size=0)
+
+
+@pytest.mark.parametrize("layout", ["shared_prefix", "per_row"])
+def test_fused_blocks_give_the_checkpointed_blocks_gradients(model64, layout, monkeypatch):
+    """The CPU kernel's own backward with the mask rebuilt equals autograd through checkpointed SDPA blocks."""
+    import lit_smd.kv.blocked as blocked
+    import lit_smd.kv.packed as packed
+
+    model = model64("qwen3", sliding_window=9)  # a windowed dense prompt: fused blocks in both views
+    rollout = _rollout(model)
+    monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 256)
+    fused_calls = []
+    fused = blocked._FusedBlock.apply
+    monkeypatch.setattr(blocked._FusedBlock, "apply", lambda *args: fused_calls.append(1) or fused(*args))
+    results = []
+    for use_fused in (True, False):
+        if not use_fused:
+            monkeypatch.setattr(blocked, "fused_blocks", lambda *args: False)
+            monkeypatch.setattr(packed, "fused_blocks", lambda *args: False)
+        results.append(_logprobs_and_grads(
+            model, rollout, lambda: learner_hidden_states(model, rollout, shadow=True, layout=layout).hidden
+        ))  # fmt: skip
+    assert fused_calls, "no block ran fused: the comparison would be vacuous"
+    (logprobs, grads), (expected, expected_grads) = results
+    assert (logprobs - expected).abs().max() <= 1e-12
+    for name, grad in expected_grads.items():
+        assert (grad - grads[name]).abs().max() <= 1e-10, name

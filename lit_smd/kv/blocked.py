@@ -29,7 +29,18 @@ from torch.utils.checkpoint import checkpoint
 
 from lit_smd.kv.features import AttentionFeatures, attention, softmax_dtype
 
-__all__ = ["BLOCK_ELEMENTS", "MIN_BLOCK", "causal_rows_attention", "fold_kv_heads", "over_query_blocks", "query_block"]
+__all__ = [
+    "BLOCK_ELEMENTS",
+    "MIN_BLOCK",
+    "alive_index",
+    "block_attention",
+    "causal_rows_attention",
+    "fold_kv_heads",
+    "fused_blocks",
+    "gather_keys",
+    "over_query_blocks",
+    "query_block",
+]
 
 BLOCK_ELEMENTS = 1 << 22
 """Target number of mask entries of one query block (4M: a 4 MiB boolean mask, 16 MiB as SDPA's float mask)."""
@@ -58,6 +69,73 @@ def over_query_blocks(run: Callable[[int, int], Tensor], num_queries: int, block
         else:
             outputs.append(run(start, stop))
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
+
+
+class _FusedBlock(torch.autograd.Function):
+    """One query block of plain attention on the CPU's fused SDPA kernel, its keys and mask rebuilt in the backward.
+
+    ``prepare(*inputs) -> (keys, values, float_mask)`` builds the block's keys / values (slices, gathers or copies
+    of ``inputs``) and its additive mask. The forward keeps only the block's queries, ``inputs`` (tensors autograd
+    keeps anyway), the output and its log-normaliser; the backward runs ``prepare`` again and the kernel's backward.
+    Against a checkpointed block this saves the recomputed forward attention.
+    """
+
+    @staticmethod
+    def forward(ctx, query: Tensor, prepare: Callable, scaling: float, *inputs: Tensor) -> Tensor:
+        with torch.no_grad():
+            keys, values, mask = prepare(*inputs)
+        out, log_norm = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+            query, keys, values, attn_mask=mask, scale=scaling
+        )  # [B', H', Bq, D], [B', H', Bq]
+        ctx.save_for_backward(query, out, log_norm, *inputs)
+        ctx.prepare, ctx.scaling = prepare, scaling
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out: Tensor):
+        query, out, log_norm, *inputs = ctx.saved_tensors
+        leaves = [x.detach().requires_grad_(need) for x, need in zip(inputs, ctx.needs_input_grad[3:], strict=True)]
+        with torch.enable_grad():
+            keys, values, mask = ctx.prepare(*leaves)
+        grad_query, grad_keys, grad_values = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+            grad_out.contiguous(), query, keys.detach(), values.detach(), out, log_norm, 0.0, False, attn_mask=mask,
+            scale=ctx.scaling,
+        )  # fmt: skip
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        grads = iter(torch.autograd.grad([keys, values], wanted, [grad_keys, grad_values], allow_unused=True))
+        return (grad_query, None, None, *(next(grads) if leaf.requires_grad else None for leaf in leaves))
+
+
+def fused_blocks(query: Tensor, value_dim: int, features: AttentionFeatures, dropout: float) -> bool:
+    """Whether the query blocks of a pass with gradients run `_FusedBlock` (else checkpointed SDPA / eager)."""
+    return (
+        query.device.type == "cpu" and features.plain and not dropout and value_dim == query.shape[-1]
+        and torch.is_grad_enabled()
+    )  # fmt: skip
+
+
+def block_attention(
+    query: Tensor,
+    prepare: Callable[..., tuple[Tensor, Tensor, Tensor]],
+    inputs: tuple[Tensor, ...],
+    scaling: float,
+    features: AttentionFeatures,
+    *,
+    fused: bool,
+    dropout: float = 0.0,
+    sinks: Tensor | None = None,
+) -> Tensor:
+    """One query block: ``query [B', H_q', Bq, D]`` over ``prepare(*inputs) -> (keys, values, visible [B', 1, Bq,
+    K] bool)`` -> ``[B', H_q', Bq, D_v]``, through `_FusedBlock` when ``fused``."""
+    if fused:
+        def prepare_additive(*tensors: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            keys, values, visible = prepare(*tensors)
+            mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
+            return keys, values, mask.masked_fill_(~visible, float("-inf"))
+
+        return _FusedBlock.apply(query, prepare_additive, scaling, *inputs)
+    keys, values, visible = prepare(*inputs)
+    return attention(query, keys, values, visible, scaling, features, dropout=dropout, sinks=sinks)
 
 
 def fold_kv_heads(
@@ -156,25 +234,32 @@ def causal_rows_attention(
     def run(start: int, stop: int) -> Tensor:
         lo = max(0, start - sliding_window + 1) if windowed else 0  # keys before lo are out of every query's window
         q_pos = torch.arange(start, stop, device=device)[:, None]  # [Bq, 1]
-        k_pos = torch.arange(lo, stop, device=device)[None, :].expand(query.shape[0], -1)  # [B', K]
-        k, v = key[:, :, lo:stop], value[:, :, lo:stop]  # [B', H', K, D]
-        k_steps = None if steps is None else steps[:, 0, lo:stop]  # [B', K]
-        if k_steps is not None:  # drop the keys no query of the block can see (evicted before it starts)
-            index = alive_index((k_steps > start) & (k_pos < lengths[:, None]))  # [B', K'] or None
-            if index is not None:
-                k_pos, k_steps, k, v = k_pos.gather(1, index), k_steps.gather(1, index), gather_keys(k, index), \
-                    gather_keys(v, index)  # fmt: skip
-        k_pos = k_pos[:, None, :]  # [B', 1, K]
-        visible = (k_pos <= q_pos) & (k_pos < lengths[:, None, None])  # [B', Bq, K]
-        if windowed:
-            visible = visible & ((q_pos - k_pos) < sliding_window)
-        if k_steps is not None:
-            visible = visible & (q_pos < k_steps[:, None, :])
-        visible = (visible | (q_pos == k_pos))[:, None]  # [B', 1, Bq, K]
-        return attention(query[:, :, start:stop], k, v, visible, scaling, features, dropout=dropout, sinks=sinks)
+
+        def prepare(key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+            k_pos = torch.arange(lo, stop, device=device)[None, :].expand(key.shape[0], -1)  # [B', K]
+            k, v = key[:, :, lo:stop], value[:, :, lo:stop]  # [B', H', K, D]
+            k_steps = None if steps is None else steps[:, 0, lo:stop]  # [B', K]
+            if k_steps is not None:  # drop the keys no query of the block can see (evicted before it starts)
+                index = alive_index((k_steps > start) & (k_pos < lengths[:, None]))  # [B', K'] or None
+                if index is not None:
+                    k_pos, k_steps = k_pos.gather(1, index), k_steps.gather(1, index)
+                    k, v = gather_keys(k, index), gather_keys(v, index)
+            k_pos = k_pos[:, None, :]  # [B', 1, K]
+            visible = (k_pos <= q_pos) & (k_pos < lengths[:, None, None])  # [B', Bq, K]
+            if windowed:
+                visible = visible & ((q_pos - k_pos) < sliding_window)
+            if k_steps is not None:
+                visible = visible & (q_pos < k_steps[:, None, :])
+            return k, v, (visible | (q_pos == k_pos))[:, None]  # [B', 1, Bq, K]
+
+        return block_attention(
+            query[:, :, start:stop], prepare, (key, value), scaling, features, fused=fused, dropout=dropout,
+            sinks=sinks,
+        )  # fmt: skip
 
     keys_per_block = width if not windowed else min(width, sliding_window + query_block(mask_rows, width, width))
     block = query_block(mask_rows, width, keys_per_block)
-    recompute = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    out = over_query_blocks(run, width, block, recompute=recompute)  # [B', H', T, Dv]
+    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
+    fused = grad and fused_blocks(query, value.shape[-1], features, dropout)
+    out = over_query_blocks(run, width, block, recompute=grad and not fused)  # [B', H', T, Dv]
     return out.reshape(batch, q_heads, width, out.shape[-1])

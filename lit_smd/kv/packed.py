@@ -48,13 +48,15 @@ import torch
 
 from lit_smd.kv.blocked import (
     alive_index,
+    block_attention,
     causal_rows_attention,
     fold_kv_heads,
+    fused_blocks,
     gather_keys,
     over_query_blocks,
     query_block,
 )
-from lit_smd.kv.features import PLAIN, AttentionFeatures, attention
+from lit_smd.kv.features import PLAIN, AttentionFeatures
 from lit_smd.kv.flex import Backend, flex_feature_attention, use_flex
 
 __all__ = ["PackedPlan"]
@@ -160,6 +162,10 @@ class PackedPlan:
         columns = torch.arange(width, device=device)
 
         def run(start: int, stop: int) -> torch.Tensor:
+            t = torch.arange(start, stop, device=device)  # [Bq] slot positions of the block's queries
+            u = torch.arange(stop, device=device)  # [t1] the slot's own key columns
+            query_pos = lengths[:, None] + t[None, :]  # [R, Bq] logical positions
+
             def per_slot(prompt: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
                 # [R, Hkv, W, Dk], [R, Hkv, S*N, Dk] -> [R*S(*Hkv), Hkv or 1, W + stop, Dk]
                 prompt = prompt[:, None].expand(rows, slots, kv_heads, width, prompt.shape[-1])
@@ -167,38 +173,40 @@ class PackedPlan:
                 joined = torch.cat([prompt, own], dim=3)  # [R, S, Hkv, W + stop, Dk]
                 return joined.reshape(rows * slots * kv_heads, 1, width + stop, -1) if fold else joined.flatten(0, 1)
 
-            t = torch.arange(start, stop, device=device)  # [Bq] slot positions of the block's queries
-            u = torch.arange(stop, device=device)  # [t1] the slot's own key columns
-            query_pos = lengths[:, None] + t[None, :]  # [R, Bq] logical positions
-            prompt_vis = (columns[None, None, :] < lengths[:, None, None]).expand(rows, stop - start, width)
-            own_vis = u[None, :] <= t[:, None]  # [Bq, t1]
-            if sliding_window is not None:
-                prompt_vis = prompt_vis & ((query_pos[:, :, None] - columns[None, None, :]) < sliding_window)
-                own_vis = own_vis & ((t[:, None] - u[None, :]) < sliding_window)
-            visible = torch.cat([prompt_vis, own_vis[None].expand(rows, -1, -1)], dim=-1)  # [R, Bq, W + t1]
-            visible = visible[:, None, None]  # [R, 1, 1, Bq, W + t1]
-            keys, values = per_slot(prompt_key, slot_key), per_slot(prompt_value, slot_value)  # [R*S(*Hkv), ., K, D]
-            if steps is None:
-                visible = visible.expand(rows, slots, 1, -1, -1).reshape(keys.shape[0], 1, stop - start, -1)
-            else:
+            def prepare(prompt_key, prompt_value, slot_key, slot_value):
+                prompt_vis = (columns[None, None, :] < lengths[:, None, None]).expand(rows, stop - start, width)
+                own_vis = u[None, :] <= t[:, None]  # [Bq, t1]
+                if sliding_window is not None:
+                    prompt_vis = prompt_vis & ((query_pos[:, :, None] - columns[None, None, :]) < sliding_window)
+                    own_vis = own_vis & ((t[:, None] - u[None, :]) < sliding_window)
+                visible = torch.cat([prompt_vis, own_vis[None].expand(rows, -1, -1)], dim=-1)  # [R, Bq, W + t1]
+                visible = visible[:, None, None]  # [R, 1, 1, Bq, W + t1]
+                keys, values = per_slot(prompt_key, slot_key), per_slot(prompt_value, slot_value)  # [R*S(*Hkv), ...]
+                if steps is None:
+                    visible = visible.expand(rows, slots, 1, -1, -1)  # [R, S, 1, Bq, K]
+                    return keys, values, visible.reshape(keys.shape[0], 1, stop - start, -1)
                 key_steps = steps[..., : width + stop]  # [R, S, Hkv, K]
                 visible = visible & (query_pos[:, None, None, :, None] < key_steps[:, :, :, None, :])
                 visible[..., width:] |= u[None, :] == t[:, None]  # a query always sees itself: no NaN
                 visible = visible.reshape(keys.shape[0], 1, stop - start, -1)  # [R*S(*Hkv), 1, Bq, K]
-                if fold:  # drop the keys no query of the block sees (evicted before it, padding, other heads' ...)
+                if fold:  # drop the keys no query of the block sees (evicted before it starts, padding)
                     index = alive_index(visible.any(dim=2).squeeze(1))  # [R*S*Hkv, K'] or None
                     if index is not None:
                         keys, values = gather_keys(keys, index), gather_keys(values, index)
                         visible = visible.gather(3, index[:, None, None, :].expand(-1, 1, stop - start, -1))
-            return attention(
-                queries[:, :, start:stop], keys, values, visible, scaling, features, dropout=dropout, sinks=sinks
+                return keys, values, visible
+
+            return block_attention(
+                queries[:, :, start:stop], prepare, (prompt_key, prompt_value, slot_key, slot_value), scaling,
+                features, fused=fused, dropout=dropout, sinks=sinks,
             )  # [R*S(*Hkv), Hq or G, Bq, Dv]
 
         mask_rows = rows * slots * (kv_heads if fold else 1)
         block = query_block(mask_rows, new, width + new)
         inputs = (query, prompt_key, prompt_value, slot_key, slot_value)
-        recompute = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
-        out = over_query_blocks(run, new, block, recompute=recompute)  # [R*S(*Hkv), Hq or G, N, Dv]
+        grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
+        fused = grad and fused_blocks(query, slot_value.shape[-1], features, dropout)
+        out = over_query_blocks(run, new, block, recompute=grad and not fused)  # [R*S(*Hkv), Hq or G, N, Dv]
         out = out.reshape(rows, slots, q_heads, new, out.shape[-1])
         return out.transpose(1, 2).reshape(rows, q_heads, slots * new, out.shape[-1])
 
