@@ -32,6 +32,7 @@ from lit_smd.kv.features import AttentionFeatures, attention, softmax_dtype
 __all__ = [
     "BLOCK_ELEMENTS",
     "MIN_BLOCK",
+    "NEVER",
     "alive_index",
     "block_attention",
     "causal_rows_attention",
@@ -41,6 +42,9 @@ __all__ = [
     "over_query_blocks",
     "query_block",
 ]
+
+NEVER = torch.iinfo(torch.int32).max
+"""Eviction step of a key that was never evicted (`lit_smd.kv.shadow` re-exports it)."""
 
 BLOCK_ELEMENTS = 1 << 22
 """Target number of mask entries of one query block (4M: a 4 MiB boolean mask, 16 MiB as SDPA's float mask)."""
@@ -114,9 +118,33 @@ def fused_blocks(query: Tensor, value_dim: int, features: AttentionFeatures, dro
     )  # fmt: skip
 
 
+def block_mask(query_pos: Tensor, limit: Tensor, causal_from: int, dtype: torch.dtype | None) -> Tensor:
+    """The mask ``[B', 1, Bq, K]`` of a query block: query ``q`` sees key ``k`` iff ``query_pos[q] < limit[k]``,
+    and, for the block's own keys (columns ``causal_from`` on, in query order), iff the key is not after the query.
+
+    Args:
+        query_pos: ``[B' or 1, Bq]`` logical positions of the block's queries.
+        limit: ``[B', K]`` first position that no longer sees each key: its eviction step, capped by the sliding
+            window, 0 for padding keys (for right-padding rows' own keys ``k + 1``, so that padding queries see
+            themselves).
+        causal_from: First column of the block's own keys (``K - Bq`` of them, the key of query ``i`` at
+            ``causal_from + i``); earlier keys precede every query of the block.
+        dtype: None for a boolean mask (True = visible), else an additive mask in ``dtype`` (0 / -inf).
+    """
+    visible = query_pos[:, :, None] < limit[:, None, :]  # [B', Bq, K]
+    own = visible.shape[1]
+    ahead = torch.ones(own, own, dtype=torch.bool, device=visible.device).triu_(1)  # key after the query
+    if dtype is None:
+        visible[..., causal_from:] &= ~ahead
+        return visible[:, None]
+    mask = torch.zeros((), dtype=dtype, device=visible.device).where(visible, float("-inf"))
+    mask[..., causal_from:].masked_fill_(ahead, float("-inf"))
+    return mask[:, None]
+
+
 def block_attention(
     query: Tensor,
-    prepare: Callable[..., tuple[Tensor, Tensor, Tensor]],
+    prepare: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor, int]],
     inputs: tuple[Tensor, ...],
     scaling: float,
     features: AttentionFeatures,
@@ -125,16 +153,17 @@ def block_attention(
     dropout: float = 0.0,
     sinks: Tensor | None = None,
 ) -> Tensor:
-    """One query block: ``query [B', H_q', Bq, D]`` over ``prepare(*inputs) -> (keys, values, visible [B', 1, Bq,
-    K] bool)`` -> ``[B', H_q', Bq, D_v]``, through `_FusedBlock` when ``fused``."""
+    """One query block: ``query [B', H_q', Bq, D]`` over the keys of ``prepare(*inputs) -> (keys, values,
+    query_pos, limit, causal_from)`` (see `block_mask`) -> ``[B', H_q', Bq, D_v]``, through `_FusedBlock` when
+    ``fused``."""
     if fused:
         def prepare_additive(*tensors: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-            keys, values, visible = prepare(*tensors)
-            mask = torch.zeros(visible.shape, dtype=query.dtype, device=query.device)
-            return keys, values, mask.masked_fill_(~visible, float("-inf"))
+            keys, values, query_pos, limit, causal_from = prepare(*tensors)
+            return keys, values, block_mask(query_pos, limit, causal_from, query.dtype)
 
         return _FusedBlock.apply(query, prepare_additive, scaling, *inputs)
-    keys, values, visible = prepare(*inputs)
+    keys, values, query_pos, limit, causal_from = prepare(*inputs)
+    visible = block_mask(query_pos, limit, causal_from, None)
     return attention(query, keys, values, visible, scaling, features, dropout=dropout, sinks=sinks)
 
 
@@ -169,6 +198,8 @@ def alive_index(alive: Tensor) -> Tensor | None:
     dead keys, which their visibility hides. None when pruning would keep at least `PRUNE_BELOW` of the range (the
     gather would cost more than it saves).
     """
+    if alive.shape[-1] == 0:
+        return None
     counts = alive.sum(dim=-1)  # [B']
     kept = int(counts.max())  # a host sync: this is the CPU path (CUDA runs FlexAttention, which skips blocks)
     if kept >= PRUNE_BELOW * alive.shape[-1]:
@@ -230,27 +261,25 @@ def causal_rows_attention(
     else:
         sinks = None
     mask_rows = query.shape[0]
+    positions = torch.arange(width, device=device, dtype=torch.int32)  # [T]
+    limit = torch.full((mask_rows, width), NEVER, dtype=torch.int32, device=device) if steps is None else steps[:, 0]
+    limit = torch.where(positions < lengths[:, None], limit, positions + 1)  # [B', T]; padding: only itself
+    if windowed:
+        limit = torch.minimum(limit, positions + sliding_window)
 
     def run(start: int, stop: int) -> Tensor:
         lo = max(0, start - sliding_window + 1) if windowed else 0  # keys before lo are out of every query's window
-        q_pos = torch.arange(start, stop, device=device)[:, None]  # [Bq, 1]
+        query_pos = positions[None, start:stop]  # [1, Bq]
 
-        def prepare(key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-            k_pos = torch.arange(lo, stop, device=device)[None, :].expand(key.shape[0], -1)  # [B', K]
-            k, v = key[:, :, lo:stop], value[:, :, lo:stop]  # [B', H', K, D]
-            k_steps = None if steps is None else steps[:, 0, lo:stop]  # [B', K]
-            if k_steps is not None:  # drop the keys no query of the block can see (evicted before it starts)
-                index = alive_index((k_steps > start) & (k_pos < lengths[:, None]))  # [B', K'] or None
-                if index is not None:
-                    k_pos, k_steps = k_pos.gather(1, index), k_steps.gather(1, index)
-                    k, v = gather_keys(k, index), gather_keys(v, index)
-            k_pos = k_pos[:, None, :]  # [B', 1, K]
-            visible = (k_pos <= q_pos) & (k_pos < lengths[:, None, None])  # [B', Bq, K]
-            if windowed:
-                visible = visible & ((q_pos - k_pos) < sliding_window)
-            if k_steps is not None:
-                visible = visible & (q_pos < k_steps[:, None, :])
-            return k, v, (visible | (q_pos == k_pos))[:, None]  # [B', 1, Bq, K]
+        def prepare(key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
+            # Keys [lo, start) precede the block (pruned to those alive at its start); [start, stop) are its own.
+            index = None if steps is None or start == lo else alive_index(limit[:, lo:start] > start)  # [B', K']
+            if index is None:
+                return key[:, :, lo:stop], value[:, :, lo:stop], query_pos, limit[:, lo:stop], start - lo
+            keys = torch.cat([gather_keys(key[:, :, lo:start], index), key[:, :, start:stop]], dim=2)
+            values = torch.cat([gather_keys(value[:, :, lo:start], index), value[:, :, start:stop]], dim=2)
+            kept = torch.cat([limit[:, lo:start].gather(1, index), limit[:, start:stop]], dim=1)  # [B', K' + Bq]
+            return keys, values, query_pos, kept, index.shape[1]
 
         return block_attention(
             query[:, :, start:stop], prepare, (key, value), scaling, features, fused=fused, dropout=dropout,

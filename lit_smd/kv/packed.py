@@ -47,6 +47,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lit_smd.kv.blocked import (
+    NEVER,
     alive_index,
     block_attention,
     causal_rows_attention,
@@ -56,7 +57,7 @@ from lit_smd.kv.blocked import (
     over_query_blocks,
     query_block,
 )
-from lit_smd.kv.features import PLAIN, AttentionFeatures
+from lit_smd.kv.features import PLAIN, AttentionFeatures, softmax_dtype
 from lit_smd.kv.flex import Backend, flex_feature_attention, use_flex
 
 __all__ = ["PackedPlan"]
@@ -151,64 +152,76 @@ class PackedPlan:
         rows, q_heads, _, dim = query.shape
         kv_heads, width, slots, new = prompt_key.shape[1], self.prompt_width, self.num_slots, self.slot_width
         device = query.device
-        lengths = self.prompt_lengths.to(device)  # [R]
-        steps = None if self.steps is None else self.steps[layer_idx].to(device).transpose(1, 2)  # [R, S, Hkv, W + N]
-        fold = steps is not None and kv_heads > 1  # one mask row per KV head: KV heads into the batch
+        lengths = self.prompt_lengths.to(device=device, dtype=torch.int32)  # [R]
+        limit = self._key_limits(layer_idx, lengths, sliding_window, device)  # [R, S or 1, Hkv or 1, W + N]
+        shadow = self.steps is not None
         queries = query.unflatten(2, (slots, new)).transpose(1, 2)  # [R, S, Hq, N, D]
-        if fold:
+        if shadow:  # one mask row per slot and KV head: the KV heads into the batch, G query heads per row
             queries, sinks = fold_kv_heads(queries.reshape(rows * slots, q_heads, new, dim), features, kv_heads)
-        else:
-            queries, sinks = queries.reshape(rows * slots, q_heads, new, dim), None  # [R*S(*Hkv), Hq or G, N, D]
-        columns = torch.arange(width, device=device)
+            limit = limit.reshape(rows * slots * kv_heads, width + new)  # [R*S*Hkv, W + N]
+            row_lengths = lengths.repeat_interleave(slots * kv_heads)  # [R*S*Hkv]
+        else:  # one mask per packed row: the slots into the heads (query head (s, h) reads KV head (s, h // G))
+            queries, sinks = queries.reshape(rows, slots * q_heads, new, dim), None  # [R, S*Hq, N, D]
+            if features.sinks is not None:
+                sinks = features.sink_logits(q_heads, softmax_dtype(query.dtype)).repeat(1, slots, 1, 1)
+            limit, row_lengths = limit.reshape(rows, width + new), lengths  # [R, W + N], [R]
+
+        def per_slot(prompt: torch.Tensor, own: torch.Tensor, stop: int) -> torch.Tensor:
+            # [R, Hkv, W, Dk], [R, Hkv, S*N, Dk] -> [R*S*Hkv, 1, W + stop, Dk] (shadow) or [R, S*Hkv, W + stop, Dk]
+            prompt = prompt[:, None].expand(rows, slots, kv_heads, width, prompt.shape[-1])
+            own = own.unflatten(2, (slots, new)).transpose(1, 2)[:, :, :, :stop]
+            joined = torch.cat([prompt, own], dim=3)  # [R, S, Hkv, W + stop, Dk]
+            if shadow:
+                return joined.reshape(rows * slots * kv_heads, 1, width + stop, -1)
+            return joined.reshape(rows, slots * kv_heads, width + stop, -1)
 
         def run(start: int, stop: int) -> torch.Tensor:
-            t = torch.arange(start, stop, device=device)  # [Bq] slot positions of the block's queries
-            u = torch.arange(stop, device=device)  # [t1] the slot's own key columns
-            query_pos = lengths[:, None] + t[None, :]  # [R, Bq] logical positions
-
-            def per_slot(prompt: torch.Tensor, own: torch.Tensor) -> torch.Tensor:
-                # [R, Hkv, W, Dk], [R, Hkv, S*N, Dk] -> [R*S(*Hkv), Hkv or 1, W + stop, Dk]
-                prompt = prompt[:, None].expand(rows, slots, kv_heads, width, prompt.shape[-1])
-                own = own.unflatten(2, (slots, new)).transpose(1, 2)[:, :, :, :stop]
-                joined = torch.cat([prompt, own], dim=3)  # [R, S, Hkv, W + stop, Dk]
-                return joined.reshape(rows * slots * kv_heads, 1, width + stop, -1) if fold else joined.flatten(0, 1)
+            query_pos = row_lengths[:, None] + torch.arange(start, stop, device=device, dtype=torch.int32)  # [B', Bq]
 
             def prepare(prompt_key, prompt_value, slot_key, slot_value):
-                prompt_vis = (columns[None, None, :] < lengths[:, None, None]).expand(rows, stop - start, width)
-                own_vis = u[None, :] <= t[:, None]  # [Bq, t1]
-                if sliding_window is not None:
-                    prompt_vis = prompt_vis & ((query_pos[:, :, None] - columns[None, None, :]) < sliding_window)
-                    own_vis = own_vis & ((t[:, None] - u[None, :]) < sliding_window)
-                visible = torch.cat([prompt_vis, own_vis[None].expand(rows, -1, -1)], dim=-1)  # [R, Bq, W + t1]
-                visible = visible[:, None, None]  # [R, 1, 1, Bq, W + t1]
-                keys, values = per_slot(prompt_key, slot_key), per_slot(prompt_value, slot_value)  # [R*S(*Hkv), ...]
-                if steps is None:
-                    visible = visible.expand(rows, slots, 1, -1, -1)  # [R, S, 1, Bq, K]
-                    return keys, values, visible.reshape(keys.shape[0], 1, stop - start, -1)
-                key_steps = steps[..., : width + stop]  # [R, S, Hkv, K]
-                visible = visible & (query_pos[:, None, None, :, None] < key_steps[:, :, :, None, :])
-                visible[..., width:] |= u[None, :] == t[:, None]  # a query always sees itself: no NaN
-                visible = visible.reshape(keys.shape[0], 1, stop - start, -1)  # [R*S(*Hkv), 1, Bq, K]
-                if fold:  # drop the keys no query of the block sees (evicted before it starts, padding)
-                    index = alive_index(visible.any(dim=2).squeeze(1))  # [R*S*Hkv, K'] or None
-                    if index is not None:
-                        keys, values = gather_keys(keys, index), gather_keys(values, index)
-                        visible = visible.gather(3, index[:, None, None, :].expand(-1, 1, stop - start, -1))
-                return keys, values, visible
+                # Columns [0, W + start) precede the block (in the shadow view pruned to the keys alive at its
+                # start); [W + start, W + stop) are the block's own keys.
+                keys, values = per_slot(prompt_key, slot_key, stop), per_slot(prompt_value, slot_value, stop)
+                index = alive_index(limit[:, : width + start] > query_pos[:, :1]) if shadow else None
+                if index is None:
+                    return keys, values, query_pos, limit[:, : width + stop], width + start
+                before, own = slice(0, width + start), slice(width + start, width + stop)
+                keys = torch.cat([gather_keys(keys[:, :, before], index), keys[:, :, own]], dim=2)
+                values = torch.cat([gather_keys(values[:, :, before], index), values[:, :, own]], dim=2)
+                kept = torch.cat([limit[:, before].gather(1, index), limit[:, own]], dim=1)  # [B', K' + Bq]
+                return keys, values, query_pos, kept, index.shape[1]
 
             return block_attention(
                 queries[:, :, start:stop], prepare, (prompt_key, prompt_value, slot_key, slot_value), scaling,
                 features, fused=fused, dropout=dropout, sinks=sinks,
-            )  # [R*S(*Hkv), Hq or G, Bq, Dv]
+            )  # [R*S*Hkv, G, Bq, Dv] or [R, S*Hq, Bq, Dv]
 
-        mask_rows = rows * slots * (kv_heads if fold else 1)
-        block = query_block(mask_rows, new, width + new)
+        block = query_block(limit.shape[0], new, width + new)
         inputs = (query, prompt_key, prompt_value, slot_key, slot_value)
         grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
         fused = grad and fused_blocks(query, slot_value.shape[-1], features, dropout)
-        out = over_query_blocks(run, new, block, recompute=grad and not fused)  # [R*S(*Hkv), Hq or G, N, Dv]
+        out = over_query_blocks(run, new, block, recompute=grad and not fused)
         out = out.reshape(rows, slots, q_heads, new, out.shape[-1])
         return out.transpose(1, 2).reshape(rows, q_heads, slots * new, out.shape[-1])
+
+    def _key_limits(
+        self, layer_idx: int, lengths: torch.Tensor, sliding_window: int | None, device: torch.device
+    ) -> torch.Tensor:
+        """``[R, S or 1, H_kv or 1, W + N]`` int32: the first logical query position that no longer sees each key
+        of ``[prompt | own slot]`` (`lit_smd.kv.blocked.block_mask`): its eviction step (shadow view), capped by
+        the sliding window; 0 for the padding keys of the prompt region."""
+        width, new = self.prompt_width, self.slot_width
+        columns = torch.arange(width + new, device=device, dtype=torch.int32)  # [W + N]
+        key_pos = torch.where(columns < width, columns, lengths[:, None] + columns - width)  # [R, W + N] logical
+        if self.steps is None:
+            limit = torch.full(key_pos.shape, NEVER, dtype=torch.int32, device=device)[:, None, None]
+        else:
+            limit = self.steps[layer_idx].to(device=device, dtype=torch.int32).transpose(1, 2)  # [R, S, Hkv, W + N]
+        padding = (columns < width) & (columns >= lengths[:, None])  # [R, W + N]
+        limit = limit.masked_fill(padding[:, None, None], 0)
+        if sliding_window is not None:
+            limit = torch.minimum(limit, (key_pos + sliding_window)[:, None, None])
+        return limit
 
     def _block_mask(self, layer_idx: int, q_heads: int, kv_heads: int, sliding_window: int | None):
         """FlexAttention BlockMask of the whole packed row for one layer (one per plan for the dense view)."""

@@ -53,14 +53,12 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from lit_smd.kv.blocked import causal_rows_attention
+from lit_smd.kv.blocked import NEVER, causal_rows_attention
 from lit_smd.kv.features import PLAIN, AttentionFeatures
 from lit_smd.kv.flex import Backend, flex_feature_attention, use_flex
 
 __all__ = ["NEVER", "AttentionPlan", "ShadowMask"]
 
-NEVER = torch.iinfo(torch.int32).max
-"""Eviction step of a key that was never evicted."""
 
 
 @dataclass
