@@ -167,7 +167,7 @@ def clean_stale(directory: Path, final_name: str | None = None, kinds: tuple[str
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
-            with contextlib.suppress(FileNotFoundError, PermissionError):
+            with contextlib.suppress(OSError):  # read-only folder, no permission: reported below
                 path.unlink()
         if path.exists() or path.is_symlink():
             logger.warning("could not remove %s, left behind by an interrupted write", path)

@@ -75,7 +75,8 @@ def checkpoint_folders(trainer: Any) -> tuple[list[Path], str]:
         runs = root / "lightning_logs"
     elif str(_get(logger, "class_path", "")).endswith(_VERSIONED_LOGGERS):
         init_args = _get(logger, "init_args", {})
-        runs = Path(_get(init_args, "save_dir", root)) / str(_get(init_args, "name", "lightning_logs"))
+        name = init_args.get("name", "lightning_logs") if hasattr(init_args, "get") else "lightning_logs"
+        runs = Path(_get(init_args, "save_dir", root)) / (name or "")  # the loggers read None as ""
         version = _get(init_args, "version")
         if version is not None:
             folder = runs / (version if isinstance(version, str) else f"version_{version}") / "checkpoints"

@@ -5,6 +5,8 @@ newest modification time."""
 import errno
 import io
 import os
+import subprocess
+import sys
 import traceback
 from pathlib import Path
 
@@ -90,6 +92,21 @@ def test_a_read_only_folder_is_one_error_even_when_the_cleanup_fails_too(tmp_pat
         "folder"
     )
     assert ".lit_smd-tmp-" not in one_error(caught.value)  # the checkpoint is named, not our temporary
+
+
+def test_a_checkpoint_loads_from_a_read_only_folder_holding_a_killed_save(tmp_path, monkeypatch, caplog):
+    AtomicCheckpointIO().save_checkpoint({"step": 1}, tmp_path / "last.ckpt")
+    stale = tmp_path / f".last.ckpt.lit_smd-tmp-{atomic.HOST}-{dead_pid()}-0123abcd"
+    stale.write_bytes(b"partial")
+    refusing(errno.EROFS, monkeypatch)
+    assert AtomicCheckpointIO().load_checkpoint(tmp_path / "last.ckpt")["step"] == 1
+    assert stale.exists() and f"could not remove {stale}" in caplog.text
+
+
+def dead_pid() -> int:
+    process = subprocess.Popen([sys.executable, "-c", "pass"])
+    process.wait()
+    return process.pid
 
 
 def test_no_permission_to_create_the_folder_names_where(tmp_path, monkeypatch):
