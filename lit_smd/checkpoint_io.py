@@ -231,6 +231,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         clean_stale(file.parent, kinds=("tmp",))
         return super().load_checkpoint(file, map_location=map_location, weights_only=weights_only)
 
+
 class AtomicSaveConfigCallback(SaveConfigCallback):
     """LightningCLI's `SaveConfigCallback`, writing ``config.yaml`` atomically (`lit_smd.atomic.atomic_write_text`).
 

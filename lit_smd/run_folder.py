@@ -89,23 +89,24 @@ def checkpoint_folders(trainer: Any) -> tuple[list[Path], str]:
 
 
 def _rank(path: Path) -> tuple[bool, tuple[int, int], float]:
+    """Sort key of "newest": records a step, the ``(global_step, epoch)`` recorded, the modification time."""
     progress = recorded_progress(path)
     return progress is not None, progress or (0, 0), path.stat().st_mtime
 
 
 def _newest_in(folder: Path) -> tuple[Path, str] | None:
     """The checkpoint of ``folder`` to resume the latest state from, and why; None when it holds no readable one."""
-    readable = [p for p in folder.glob("*.ckpt") if p.is_file() and is_complete_checkpoint(p)]
-    if not readable:
+    ranks = {p: _rank(p) for p in folder.glob("*.ckpt") if p.is_file() and is_complete_checkpoint(p)}
+    if not ranks:
         return None
-    ranked = sorted(readable, key=_rank, reverse=True)
+    ranked = sorted(ranks, key=ranks.__getitem__, reverse=True)
     lasts = [p for p in ranked if p.name.startswith("last")]
     if not lasts:
         return ranked[0], "no last.ckpt; the highest recorded step"
     last = lasts[0]
-    has_step, step, saved = _rank(last)
-    later = [p for p in ranked if _rank(p)[0] and _rank(p)[1] > step and p.stat().st_mtime >= saved]
-    if has_step and later:
+    has_step, step, saved = ranks[last]
+    later = [p for p in ranked if has_step and ranks[p][0] and ranks[p][1] > step and ranks[p][2] >= saved]
+    if later:
         why = f"{last.name} records step {step[0]}, and {later[0].name} was saved after it (a kill between two saves)"
         return later[0], why
     return last, ""
@@ -118,14 +119,18 @@ def resolve_last(trainer: Any) -> tuple[Path | None, str]:
         The checkpoint (None when there is none yet) and a one-line account for the log.
     """
     folders, where = checkpoint_folders(trainer)
+    skipped = ""
     for folder in folders:
         found = _newest_in(folder)
-        if found is not None:
-            checkpoint, why = found
-            step = recorded_progress(checkpoint)
-            at = f" (step {step[0]})" if step is not None else ""
-            return checkpoint, f"--ckpt_path last: resuming from {checkpoint}{at}" + (f": {why}" if why else "")
-    return None, f"--ckpt_path last: no readable checkpoint in {where} yet; starting from scratch"
+        if found is None:
+            if any(folder.glob("*.ckpt")):
+                skipped += f"; skipped {folder}: none of its checkpoints is readable"
+            continue
+        checkpoint, why = found
+        step = recorded_progress(checkpoint)
+        at = f" (step {step[0]})" if step is not None else ""
+        return checkpoint, f"--ckpt_path last: resuming from {checkpoint}{at}" + (f": {why}" if why else "") + skipped
+    return None, f"--ckpt_path last: no readable checkpoint in {where} yet; starting from scratch{skipped}"
 
 
 def continue_run_folder(trainer: Trainer, ckpt_path: str | os.PathLike[str] | None) -> str | None:
@@ -148,14 +153,14 @@ def continue_run_folder(trainer: Trainer, ckpt_path: str | os.PathLike[str] | No
     if logger._version is not None or Path(logger.root_dir).resolve() != run.parent.resolve():
         return None
     progress = recorded_progress(checkpoint)
-    newer = [
-        p for p in checkpoint.parent.glob("*.ckpt")
-        if progress is not None and (recorded_progress(p) or (-1, -1)) > progress
-    ]  # fmt: skip
+    beside = {p: recorded_progress(p) for p in checkpoint.parent.glob("*.ckpt")} if progress is not None else {}
+    newer = [p for p, recorded in beside.items() if recorded is not None and recorded > progress]
     if newer:
-        newest = max(newer, key=recorded_progress).name
-        return f"resuming from {checkpoint}, older than {newest} beside it: this run writes to a new version folder, " \
-            f"so that the newer checkpoints of {run} are kept"
+        newest = max(newer, key=beside.__getitem__).name
+        return (
+            f"resuming from {checkpoint}, older than {newest} beside it: this run writes to a new version folder, so "
+            f"that the newer checkpoints of {run} are kept"
+        )
     match = _VERSION.fullmatch(run.name)
     # The constructor's `version` argument, set before anything read it (TensorBoardLogger has no setter).
     logger._version = int(match[1]) if match else run.name

@@ -141,6 +141,12 @@ def test_last_prefers_a_later_step_saved_after_last_ckpt(tmp_path):
     assert resolve_last(trainer)[0] == folder / "last.ckpt"
     (folder / "last.ckpt").write_bytes(b"PK\x03\x04 cut short")  # unreadable: the highest step
     assert resolve_last(trainer)[0] == folder / "epoch=0-step=163.ckpt"
+    broken = tmp_path / "runs/boring/version_1/checkpoints"
+    broken.mkdir(parents=True)
+    (broken / "last.ckpt").write_bytes(b"PK\x03\x04 cut short")  # a newer run with nothing readable: named, skipped
+    checkpoint, account = resolve_last(trainer)
+    assert checkpoint == folder / "epoch=0-step=163.ckpt"
+    assert account.endswith(f"; skipped {broken}: none of its checkpoints is readable")
 
 
 def test_checkpoint_folders_follow_the_configured_layout(tmp_path):
