@@ -232,9 +232,27 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         return super().load_checkpoint(file, map_location=map_location, weights_only=weights_only)
 
 
+def _keep_previous(config_path: Path, text: str) -> Path | None:
+    """Before ``config_path`` is replaced by ``text``: copy a different existing config to the first free
+    ``<stem>-<k><suffix>`` beside it (a resumed run's folder keeps the config of every start). Returns the copy."""
+    try:
+        previous = config_path.read_bytes()
+    except FileNotFoundError:
+        return None
+    if previous == text.encode():
+        return None
+    index = 1
+    while (copy := config_path.with_name(f"{config_path.stem}-{index}{config_path.suffix}")).exists():
+        index += 1
+    atomic_write(copy, lambda file: file.write(previous), "config")
+    return copy
+
+
 class AtomicSaveConfigCallback(SaveConfigCallback):
     """LightningCLI's `SaveConfigCallback`, writing ``config.yaml`` atomically (`lit_smd.atomic.atomic_write_text`).
 
+    A run resumed in its own folder (`lit_smd.run_folder`) finds the config of its previous start there: when it
+    differs, it is kept as ``config-1.yaml`` (then ``config-2.yaml``, ...) before ``config.yaml`` is replaced.
     Multi-file configs (``multifile=True``) and remote log folders are left to Lightning.
     """
 
@@ -256,7 +274,9 @@ class AtomicSaveConfigCallback(SaveConfigCallback):
                     'save_config_kwargs={"overwrite": True} to allow it)'
                 )
         if trainer.is_global_zero:
-            atomic_write_text(config_path, self.parser.dump(self.config, skip_none=False), "config")
+            text = self.parser.dump(self.config, skip_none=False)
+            _keep_previous(config_path, text)
+            atomic_write_text(config_path, text, "config")
             self.save_config(trainer, pl_module, stage)
             self.already_saved = True
         self.already_saved = trainer.strategy.broadcast(self.already_saved)

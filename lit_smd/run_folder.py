@@ -11,8 +11,9 @@ failed (a dataset typo, a model that does not load) left a ``version_N`` with no
   run starts from scratch (as Lightning's ``ckpt_path="last"``), so the same command serves the first start and every
   restart.
 - `continue_run_folder`: resuming from the newest checkpoint of a TensorBoard run folder continues that folder (the
-  logger's version is set to it: checkpoints, events and ``config.yaml`` stay in one place). Resuming from an older
-  checkpoint of it starts a new version folder, so that the newer checkpoints there are not overwritten.
+  logger's version is set to it: checkpoints, events and ``config.yaml`` stay in one place; the config of an earlier
+  start is kept as ``config-1.yaml``, ... when it differs). Resuming from an older checkpoint of it starts a new
+  version folder, so that the newer checkpoints there are not overwritten.
 - `no_folder_from_failed_start`: when the subcommand fails before anything of the run was kept (no checkpoint, no
   logged value), the files this process made at start-up in a run folder that did not exist before are removed, and
   the folder with them. Only those: an event file with this process's id holding nothing but its header,
@@ -156,10 +157,11 @@ def continue_run_folder(trainer: Trainer, ckpt_path: str | os.PathLike[str] | No
     beside = {p: recorded_progress(p) for p in checkpoint.parent.glob("*.ckpt")} if progress is not None else {}
     newer = [p for p, recorded in beside.items() if recorded is not None and recorded > progress]
     if newer:
-        newest = max(newer, key=beside.__getitem__).name
+        newest = max(newer, key=beside.__getitem__)
         return (
-            f"resuming from {checkpoint}, older than {newest} beside it: this run writes to a new version folder, so "
-            f"that the newer checkpoints of {run} are kept"
+            f"resuming from {checkpoint} (step {progress[0]}), older than {newest.name} (step {beside[newest][0]}) "
+            f"beside it: this run writes to a new version folder, so that the newer checkpoints of {run} are kept "
+            "(--ckpt_path last resumes from the newest)"
         )
     match = _VERSION.fullmatch(run.name)
     # The constructor's `version` argument, set before anything read it (TensorBoardLogger has no setter).

@@ -87,7 +87,11 @@ def test_resuming_from_the_newest_checkpoint_continues_the_run_folder(tmp_path, 
     names = sorted(p.name for p in last.parent.iterdir())
     assert names == [f"epoch=0-step={step}.ckpt" for step in (1, 2, 3, 4)] + ["last.ckpt"] and step_of(last) == 4
     assert len(list(last.parent.parent.glob("events.out.tfevents.*"))) == 2
-    assert (last.parent.parent / "config.yaml").is_file()
+    run = last.parent.parent
+    assert yaml.safe_load((run / "config.yaml").read_text())["ckpt_path"] == str(last)
+    assert yaml.safe_load((run / "config-1.yaml").read_text())["ckpt_path"] is None  # the first start's, kept
+    fit(tmp_path, "--trainer.max_steps", "4", "--ckpt_path", str(last))  # the same config again: no copy
+    assert sorted(p.name for p in run.glob("config*.yaml")) == ["config-1.yaml", "config.yaml"]
 
 
 def test_resuming_from_an_older_checkpoint_keeps_the_newer_ones(tmp_path, caplog):
@@ -96,7 +100,9 @@ def test_resuming_from_an_older_checkpoint_keeps_the_newer_ones(tmp_path, caplog
     before = {p.name: p.read_bytes() for p in checkpoints.iterdir()}
     with caplog.at_level(logging.INFO):
         resumed = fit(tmp_path, "--trainer.max_steps", "3", "--ckpt_path", str(checkpoints / "epoch=0-step=1.ckpt"))
-    assert "older than epoch=0-step=3.ckpt beside it: this run writes to a new version folder" in caplog.text
+    assert f"resuming from {checkpoints / 'epoch=0-step=1.ckpt'} (step 1), older than epoch=0-step=3.ckpt (step 3) " \
+        "beside it: this run writes to a new version folder, so that the newer checkpoints of " \
+        f"{checkpoints.parent} are kept (--ckpt_path last resumes from the newest)" in caplog.text  # fmt: skip
     assert Path(resumed.trainer.log_dir).name == "version_1" and versions(tmp_path) == ["version_0", "version_1"]
     assert {p.name: p.read_bytes() for p in checkpoints.iterdir()} == before
 
