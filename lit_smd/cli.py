@@ -76,8 +76,11 @@ class LitSmdCLI(LightningCLI):
 
 def _resolve_last(config: Namespace) -> str | None:
     """``--ckpt_path last``: the newest checkpoint of the newest run folder, None when there is none yet
-    (`lit_smd.run_folder.resolve_last`); says which in the log."""
-    checkpoint, account = resolve_last(config.get("trainer") or {})
+    (`lit_smd.run_folder.resolve_last`; says which in the log); ``last`` for Lightning where the layout is unknown."""
+    resolved = resolve_last(config.get("trainer") or {})
+    if resolved is None:
+        return "last"
+    checkpoint, account = resolved
     rank_zero_info(account)
     return None if checkpoint is None else str(checkpoint)
 

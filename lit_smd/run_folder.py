@@ -52,14 +52,14 @@ def _get(namespace: Any, key: str, default: Any = None) -> Any:
     return default if value is None else value
 
 
-def checkpoint_folders(trainer: Any) -> tuple[list[Path], str]:
+def checkpoint_folders(trainer: Any) -> tuple[list[Path], str] | None:
     """The folders where a run configured by ``trainer`` (the parsed ``trainer`` section) keeps its checkpoints, the
     preferred first, and a description of where that is for messages.
 
     A ``ModelCheckpoint`` with an explicit ``dirpath`` names its folder. Otherwise the first logger decides: a
     TensorBoard or CSV logger keeps them in ``<save_dir>/<name>/version_N/checkpoints`` (highest N first), no logger
     in ``<default_root_dir>/checkpoints``, the default logger under ``<default_root_dir>/lightning_logs``. For other
-    loggers the list is empty.
+    loggers: None (unknown).
     """
     root = Path(_get(trainer, "default_root_dir", os.getcwd()))
     for callback in _get(trainer, "callbacks", []) or []:
@@ -83,7 +83,7 @@ def checkpoint_folders(trainer: Any) -> tuple[list[Path], str]:
             folder = runs / (version if isinstance(version, str) else f"version_{version}") / "checkpoints"
             return [folder], str(folder)
     else:
-        return [], f"the folders of logger {_get(logger, 'class_path', logger)}"
+        return None
     versions = [p for p in runs.glob("version_*") if _VERSION.fullmatch(p.name) and p.is_dir()]
     versions.sort(key=lambda p: int(p.name.split("_")[1]), reverse=True)
     return [p / "checkpoints" for p in versions], f"{runs}/version_*/checkpoints"
@@ -113,13 +113,17 @@ def _newest_in(folder: Path) -> tuple[Path, str] | None:
     return last, ""
 
 
-def resolve_last(trainer: Any) -> tuple[Path | None, str]:
+def resolve_last(trainer: Any) -> tuple[Path | None, str] | None:
     """What ``--ckpt_path last`` means for the run ``trainer`` (the parsed ``trainer`` section) configures.
 
     Returns:
-        The checkpoint (None when there is none yet) and a one-line account for the log.
+        The checkpoint (None when there is none yet) and a one-line account for the log; None when the logger's
+        layout is unknown (`checkpoint_folders`), leaving ``last`` to Lightning.
     """
-    folders, where = checkpoint_folders(trainer)
+    layout = checkpoint_folders(trainer)
+    if layout is None:
+        return None
+    folders, where = layout
     skipped = ""
     for folder in folders:
         found = _newest_in(folder)

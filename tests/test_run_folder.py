@@ -167,7 +167,8 @@ def test_checkpoint_folders_follow_the_configured_layout(tmp_path):
     pinned = {"logger": {"class_path": "lightning.pytorch.loggers.CSVLogger",
                          "init_args": {"save_dir": str(tmp_path), "version": "run-a"}}}  # fmt: skip
     assert checkpoint_folders(pinned)[0] == [tmp_path / "lightning_logs/run-a/checkpoints"]
-    assert checkpoint_folders({"logger": {"class_path": "x.WandbLogger"}})[0] == []
+    assert checkpoint_folders({"logger": {"class_path": "x.WandbLogger"}}) is None  # unknown: Lightning's "last"
+    assert resolve_last({"logger": {"class_path": "x.WandbLogger"}}) is None
 
 
 @pytest.mark.parametrize("data", [f"{__name__}.FailingSetup", f"{__name__}.Interrupted"])
