@@ -104,7 +104,7 @@ def _explain(refusal: OSError, final: Path, what: str, needed: Callable[[], int]
         size = ""
         if needed is not None:
             with contextlib.suppress(Exception):
-                size = f"about {needed():,} bytes needed, "
+                size = f"at least {needed():,} bytes needed, "
         detail = f"{cause} while writing {what} {final} (folder {folder}): {size}{free}"
         fix = "free some space or write to another folder"
     else:

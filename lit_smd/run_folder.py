@@ -14,11 +14,12 @@ failed (a dataset typo, a model that does not load) left a ``version_N`` with no
   logger's version is set to it: checkpoints, events and ``config.yaml`` stay in one place; the config of an earlier
   start is kept as ``config-1.yaml``, ... when it differs). Resuming from an older checkpoint of it starts a new
   version folder, so that the newer checkpoints there are not overwritten.
-- `no_folder_from_failed_start`: when the subcommand fails before anything of the run was kept (no checkpoint, no
-  logged value), the files this process made at start-up in a run folder that did not exist before are removed, and
-  the folder with them. Only those: an event file with this process's id holding nothing but its header,
-  ``hparams.yaml`` and ``config.yaml`` written since the start, and folders left empty; anything else keeps the folder.
-  A ``kill -9`` during start-up cannot be cleaned up; `resolve_last` skips such folders.
+- `no_folder_from_failed_start`: when the subcommand fails before its first optimizer step and before anything of
+  the run was kept (no checkpoint, no logged value), the files this process made at start-up in a run folder that
+  did not exist before are removed, and the folder with them. Only those: an event file with this process's id
+  holding nothing but its header, ``hparams.yaml`` and ``config.yaml`` written since the start, and folders left
+  empty; anything else keeps the folder. A ``kill -9`` during start-up cannot be cleaned up; `resolve_last` skips
+  such folders.
 """
 
 from __future__ import annotations
@@ -209,8 +210,8 @@ def _start_up_files(folder: Path, since: float) -> list[Path] | None:
 
 @contextlib.contextmanager
 def no_folder_from_failed_start(trainer: Trainer) -> Iterator[None]:
-    """Run the body; if it raises before the run kept anything, remove the run folder it created (see the module
-    docstring), then re-raise."""
+    """Run the body; if it raises before the first optimizer step and before the run kept anything, remove the run
+    folder it created (see the module docstring), then re-raise."""
     log_dir = getattr(trainer.logger, "log_dir", None) if rank_zero_only.rank == 0 else None
     folder = Path(log_dir).absolute() if isinstance(log_dir, str) else None
     existing = None if folder is None or folder.exists() else _existing(folder)
@@ -218,7 +219,7 @@ def no_folder_from_failed_start(trainer: Trainer) -> Iterator[None]:
     try:
         yield
     except BaseException:
-        if existing is not None and folder.is_dir():
+        if existing is not None and folder.is_dir() and trainer.global_step == 0:
             _remove_start_up_files(folder, existing, since)
         raise
 

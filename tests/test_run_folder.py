@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
-from lightning.pytorch.demos.boring_classes import BoringDataModule
+from lightning.pytorch.demos.boring_classes import BoringDataModule, BoringModel
 
 from lit_smd.cli import main
 from lit_smd.run_folder import checkpoint_folders, resolve_last
@@ -29,6 +29,15 @@ class WritesThenFails(BoringDataModule):
     def setup(self, stage: str) -> None:
         Path(self.trainer.log_dir, "notes.txt").write_text("kept")
         raise FileNotFoundError("no such dataset: prompts.jsonl")
+
+
+class FailsAtStep3(BoringModel):
+    """Trains two steps, then fails (logging nothing, as BoringModel does)."""
+
+    def training_step(self, batch, batch_idx):
+        if self.global_step == 2:
+            raise RuntimeError("out of memory")
+        return super().training_step(batch, batch_idx)
 
 
 class Interrupted(BoringDataModule):
@@ -187,7 +196,12 @@ def test_a_failed_start_keeps_a_folder_that_existed_or_holds_more(tmp_path):
     with pytest.raises(FileNotFoundError):  # continues version_0, which existed: kept whole
         fit(tmp_path, "--data", f"{__name__}.FailingSetup", "--ckpt_path", str(last))
     assert versions(tmp_path) == ["version_0"] and step_of(last) == 2
+    checkpoints = tmp_path / "elsewhere"
+    with pytest.raises(RuntimeError, match="out of memory"):  # trained, its checkpoints elsewhere: config.yaml kept
+        fit(tmp_path, "--model", f"{__name__}.FailsAtStep3", "--trainer.callbacks.init_args.dirpath", str(checkpoints),
+            "--trainer.max_steps", "4")
+    assert (tmp_path / "runs/boring/version_1/config.yaml").is_file() and (checkpoints / "last.ckpt").is_file()
     with pytest.raises(FileNotFoundError):  # a new folder, but something else was written in it: kept
         fit(tmp_path, "--data", f"{__name__}.WritesThenFails")
-    assert versions(tmp_path) == ["version_0", "version_1"]
-    assert (tmp_path / "runs/boring/version_1/notes.txt").read_text() == "kept"
+    assert versions(tmp_path) == ["version_0", "version_1", "version_2"]
+    assert (tmp_path / "runs/boring/version_2/notes.txt").read_text() == "kept"
