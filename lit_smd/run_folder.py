@@ -7,7 +7,8 @@ failed (a dataset typo, a model that does not load) left a ``version_N`` with no
 
 - `resolve_last`: ``--ckpt_path last`` is the newest checkpoint of the newest run folder that holds one (highest
   ``version_N``), found where the configured logger and ``ModelCheckpoint`` put them; in that folder, ``last.ckpt``,
-  unless a checkpoint saved after it records a later step (a kill landed between the two saves). With none yet, the
+  unless a checkpoint saved after it records a later step (a kill landed between the two saves). Sharded
+  checkpoints (folders) rank by modification time. With none yet, the
   run starts from scratch (as Lightning's ``ckpt_path="last"``), so the same command serves the first start and every
   restart.
 - `continue_run_folder`: resuming from the newest checkpoint of a TensorBoard run folder continues that folder (the
@@ -98,7 +99,7 @@ def _rank(path: Path) -> tuple[bool, tuple[int, int], float]:
 
 def _newest_in(folder: Path) -> tuple[Path, str] | None:
     """The checkpoint of ``folder`` to resume the latest state from, and why; None when it holds no readable one."""
-    ranks = {p: _rank(p) for p in folder.glob("*.ckpt") if p.is_file() and is_complete_checkpoint(p)}
+    ranks = {p: _rank(p) for p in folder.glob("*.ckpt") if p.is_dir() or is_complete_checkpoint(p)}  # dir: sharded
     if not ranks:
         return None
     ranked = sorted(ranks, key=ranks.__getitem__, reverse=True)
@@ -149,7 +150,7 @@ def continue_run_folder(trainer: Trainer, ckpt_path: str | os.PathLike[str] | No
     Returns:
         A one-line account for the log, or None when nothing applies.
     """
-    if ckpt_path is None or not Path(ckpt_path).is_file():
+    if ckpt_path is None or not Path(ckpt_path).exists():
         return None
     checkpoint = Path(ckpt_path)
     run = checkpoint.parent.parent

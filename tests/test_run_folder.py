@@ -162,6 +162,9 @@ def test_last_prefers_a_later_step_saved_after_last_ckpt(tmp_path):
     checkpoint, account = resolve_last(trainer)
     assert checkpoint == folder / "epoch=0-step=163.ckpt"
     assert account.endswith(f"; skipped {broken}: none of its checkpoints is readable")
+    sharded = tmp_path / "runs/boring/version_2/checkpoints/last.ckpt"  # FSDP's distributed checkpoint: a folder
+    sharded.mkdir(parents=True)
+    assert resolve_last(trainer)[0] == sharded
 
 
 def test_checkpoint_folders_follow_the_configured_layout(tmp_path):
