@@ -10,6 +10,13 @@ Algorithm
     hex digits of the host name's SHA-1). `clean_stale` removes only names of that pattern made on this host by a
     process that is gone (a killed writer), so nothing another program, host or live writer made is ever deleted.
 
+Errors
+    A write that the destination's filesystem refuses (disk full, quota, read-only, no permission) raises one
+    `WriteError` naming the file, its folder and the cause in plain words (for a full disk: the bytes needed, when the
+    caller knows them, and the bytes free), whatever the writer wrapped the ``OSError`` in (``torch.save`` reports a
+    full disk as ``unexpected pos``). The temporary file is removed first; a removal that fails too is logged, never
+    raised over the first error.
+
 Departures
     ``fsync`` of a folder is skipped where the OS does not allow it (Windows); the rename is still atomic there.
 """
@@ -32,6 +39,7 @@ from pathlib import Path
 from typing import BinaryIO
 
 __all__ = [
+    "WriteError",
     "atomic_write",
     "atomic_write_text",
     "clean_stale",
@@ -48,6 +56,71 @@ logger = logging.getLogger(__name__)
 
 _TEMP = re.compile(r"^\.(?P<name>.+)\.lit_smd-(?P<kind>[a-z]+)-(?P<host>[0-9a-f]{6})-(?P<pid>\d+)-[0-9a-f]{8}$")
 HOST = hashlib.sha1(socket.gethostname().encode()).hexdigest()[:6]
+
+
+_REFUSALS = {
+    errno.ENOSPC: "disk full",
+    errno.EDQUOT: "disk quota exceeded",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+}
+
+
+class WriteError(OSError):
+    """The filesystem refused a write (disk full, quota, read-only, permission): `str` names the file, the folder and
+    the cause; ``errno`` is the refusal's, ``original`` the ``OSError`` behind it. Nothing under the final name was
+    touched."""
+
+    def __init__(self, message: str, original: OSError) -> None:
+        super().__init__(original.errno, message)
+        self.message = message
+        self.original = original
+
+    def __str__(self) -> str:
+        return self.message
+
+
+def _refusal(error: BaseException) -> OSError | None:
+    """The first ``OSError`` of a refusal kind (`_REFUSALS`) in ``error``'s chain of causes and contexts, or None."""
+    seen: set[int] = set()
+    while error is not None and id(error) not in seen:
+        seen.add(id(error))
+        if isinstance(error, OSError) and error.errno in _REFUSALS:
+            return error
+        error = error.__cause__ or error.__context__
+    return None
+
+
+def _explain(refusal: OSError, final: Path, what: str, needed: Callable[[], int] | None) -> WriteError:
+    """The `WriteError` for ``refusal`` met while writing ``final``."""
+    folder = final.parent
+    cause = _REFUSALS[refusal.errno]
+    if refusal.errno in (errno.ENOSPC, errno.EDQUOT):
+        try:
+            free = f"{shutil.disk_usage(_existing(folder)).free:,} bytes free"
+        except OSError:
+            free = "free space unknown"
+        size = ""
+        if needed is not None:
+            with contextlib.suppress(Exception):
+                size = f"at least {needed():,} bytes needed, "
+        detail = f"{cause} while writing {what} {final} (folder {folder}): {size}{free}"
+        fix = "free some space or write to another folder"
+    else:
+        at = refusal.filename
+        where = f" (at {at})" if at and Path(at).parent != folder and Path(at) != folder else ""
+        detail = f"cannot write {what} {final}: {cause} in folder {folder}{where}"
+        fix = "make the folder writable or write to another folder"
+    message = f"{detail}; nothing was written under that name and older files are untouched. Fix: {fix}"
+    return WriteError(message, refusal)
+
+
+def _existing(path: Path) -> Path:
+    """``path`` or its nearest existing ancestor."""
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return path
 
 
 def temp_name(final: Path, kind: str = "tmp") -> Path:
@@ -94,7 +167,7 @@ def clean_stale(directory: Path, final_name: str | None = None, kinds: tuple[str
         if path.is_dir() and not path.is_symlink():
             shutil.rmtree(path, ignore_errors=True)
         else:
-            with contextlib.suppress(FileNotFoundError, PermissionError):
+            with contextlib.suppress(OSError):  # read-only folder, no permission: reported below
                 path.unlink()
         if path.exists() or path.is_symlink():
             logger.warning("could not remove %s, left behind by an interrupted write", path)
@@ -118,39 +191,60 @@ def fsync_dir(directory: Path) -> None:
         os.close(fd)
 
 
-def atomic_write(path: str | os.PathLike[str], write: Callable[[BinaryIO], object]) -> Path:
+def atomic_write(
+    path: str | os.PathLike[str],
+    write: Callable[[BinaryIO], object],
+    what: str = "file",
+    needed: Callable[[], int] | None = None,
+) -> Path:
     """Call ``write(file)`` on a temporary file next to ``path``, then move it into place atomically.
 
     Args:
         path: The destination (its folder is created if needed).
         write: Writes the content to the open binary file it is given.
+        what: What the file is, for error messages ("checkpoint", "config").
+        needed: Returns the number of bytes the file needs (an estimate), for the message of a full disk.
 
     Returns:
         The destination.
 
     Raises:
-        Whatever ``write`` raises; the destination is then untouched and the temporary file removed.
+        WriteError: The filesystem refused the write (disk full, quota, read-only, permission).
+        Whatever else ``write`` raises. Either way the destination is untouched and the temporary file removed.
     """
     final = Path(path)
-    final.parent.mkdir(parents=True, exist_ok=True)
     temp = temp_name(final)
     try:
+        final.parent.mkdir(parents=True, exist_ok=True)
         with open(temp, "xb") as file:
             write(file)
             file.flush()
             os.fsync(file.fileno())
         os.replace(temp, final)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
-            temp.unlink()
-        raise
+    except BaseException as error:
+        _remove_temporary(temp)
+        refusal = _refusal(error)
+        if refusal is None:
+            raise
+        raise _explain(refusal, final, what, needed) from None
     fsync_dir(final.parent)
     return final
 
 
-def atomic_write_text(path: str | os.PathLike[str], text: str) -> Path:
+def _remove_temporary(temp: Path) -> None:
+    """Remove ``temp`` if it exists; a failure is logged (the error being handled is the one to report)."""
+    try:
+        temp.unlink()
+    except FileNotFoundError:
+        pass
+    except OSError as error:
+        if os.path.lexists(temp):
+            logger.warning("could not remove the temporary file %s (%s)", temp, error.strerror)
+
+
+def atomic_write_text(path: str | os.PathLike[str], text: str, what: str = "file") -> Path:
     """`atomic_write` of UTF-8 text."""
-    return atomic_write(path, lambda file: file.write(text.encode()))
+    return atomic_write(path, lambda file: file.write(text.encode()), what, lambda: len(text.encode()))
 
 
 def fsync_tree(directory: Path) -> None:

@@ -9,9 +9,14 @@ is either complete or absent, whatever ``$TMPDIR`` is. Temporary files of killed
 checkpoint is saved to or loaded from that folder (only names this plugin makes, of processes that are gone).
 
 Loading reports a truncated or unreadable checkpoint by name (`CheckpointReadError`) and names the newest readable
-checkpoint of the same folder; with ``fallback_to_readable=True`` a ``last*.ckpt`` that cannot be read is replaced by
-that newest readable checkpoint, with a warning (the user asked for the latest state; an older intact one is the
-closest). Any other name is never substituted.
+checkpoint of the same folder (newest: the highest step recorded in it, `recorded_progress`; modification time only
+for files that record none, since a copy may not keep times); with ``fallback_to_readable=True`` a ``last*.ckpt``
+that cannot be read is replaced by that newest readable checkpoint, with a warning (the user asked for the latest
+state; an older intact one is the closest). Any other name is never substituted.
+
+A save the filesystem refuses (disk full, read-only, no permission) raises one `lit_smd.atomic.WriteError` naming the
+checkpoint, its folder and the cause (for a full disk: about how many bytes the checkpoint needs and how many are
+free); the temporary is removed and older checkpoints are untouched.
 
 `AtomicSaveConfigCallback` writes LightningCLI's ``config.yaml`` the same way (it was once left at 0 bytes).
 
@@ -21,10 +26,10 @@ Python: ``Trainer(plugins=[AtomicCheckpointIO()])``.
 
 from __future__ import annotations
 
-import os
+import pickletools
 import warnings
 import zipfile
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +48,8 @@ __all__ = [
     "CheckpointReadError",
     "checked_checkpoint_path",
     "is_complete_checkpoint",
+    "recorded_progress",
+    "tensor_bytes",
 ]
 
 
@@ -63,9 +70,64 @@ def is_complete_checkpoint(path: Path) -> bool:
         return False
 
 
+_TEXT_OPS = frozenset({"BINUNICODE", "SHORT_BINUNICODE", "BINUNICODE8", "UNICODE"})
+_INT_OPS = frozenset({"BININT", "BININT1", "BININT2", "LONG1", "LONG4", "INT", "LONG"})
+_SKIPPED_OPS = frozenset({"PROTO", "FRAME", "BINPUT", "LONG_BINPUT", "PUT", "MEMOIZE"})
+
+
+def recorded_progress(path: Path) -> tuple[int, int] | None:
+    """The ``(global_step, epoch)`` a Lightning checkpoint records, or None (not a Lightning checkpoint, unreadable).
+
+    Lightning writes ``epoch`` and ``global_step`` as the first entries of the checkpoint dict, so they are read from
+    the first opcodes of its pickle (`pickletools.genops`): nothing is unpickled, no tensor is read.
+    """
+    try:
+        with zipfile.ZipFile(path) as archive:
+            name = next((n for n in archive.namelist() if n.endswith("data.pkl")), None)
+            if name is None:
+                return None
+            with archive.open(name) as stream:
+                return _leading_progress(pickletools.genops(stream))
+    except (OSError, EOFError, ValueError, zipfile.BadZipFile):
+        return None
+
+
+def _leading_progress(ops: Iterator[tuple[pickletools.OpcodeInfo, Any, int | None]]) -> tuple[int, int] | None:
+    """``(global_step, epoch)`` from the leading ``{"epoch": int, "global_step": int, ...}`` of a pickle's opcodes."""
+    values: dict[str, int] = {}
+    started = marked = False
+    key = None
+    for op, arg, _ in ops:
+        if op.name in _SKIPPED_OPS:
+            continue
+        if not started:  # the top-level dict, then its entries up to the first one that is not a number or a text
+            if op.name != "EMPTY_DICT":
+                return None
+            started = True
+        elif op.name == "MARK" and not marked:
+            marked = True
+        elif key is None and op.name in _TEXT_OPS:
+            key = arg
+        elif key is not None and op.name in _TEXT_OPS | _INT_OPS:
+            if op.name in _INT_OPS and key in ("epoch", "global_step"):
+                values[key] = int(arg)
+                if len(values) == 2:
+                    return values["global_step"], values["epoch"]
+            key = None
+        else:
+            return None
+    return None
+
+
 def _newest_readable(folder: Path, exclude: Path) -> Path | None:
+    """The readable checkpoint of ``folder`` (other than ``exclude``) of the highest recorded step (then epoch, then
+    modification time); checkpoints that record none rank below, by modification time."""
     candidates = [p for p in folder.glob("*.ckpt") if p.is_file() and p.resolve() != exclude.resolve()]
-    for candidate in sorted(candidates, key=lambda p: p.stat().st_mtime, reverse=True):
+    ranked = []
+    for candidate in candidates:
+        progress = recorded_progress(candidate)
+        ranked.append((progress is not None, progress or (0, 0), candidate.stat().st_mtime, candidate))
+    for *_, candidate in sorted(ranked, key=lambda entry: entry[:3], reverse=True):
         if is_complete_checkpoint(candidate):
             return candidate
     return None
@@ -96,6 +158,22 @@ def checked_checkpoint_path(path: _PATH, fallback_to_readable: bool = False) -> 
         else f"no readable checkpoint is left in {file.parent}"
     )
     raise CheckpointReadError(f"{problem} (an interrupted copy or a crash during the save); {hint}")
+
+
+def tensor_bytes(value: Any) -> int:
+    """The bytes of the distinct tensor storages in ``value`` (nested dicts, lists, tuples): about what saving takes."""
+    storages: dict[int, int] = {}
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, torch.Tensor):
+            storage = item.untyped_storage()
+            storages[storage.data_ptr()] = max(storages.get(storage.data_ptr(), 0), storage.nbytes())
+        elif isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return sum(storages.values())
 
 
 def fallback_requested(plugins: Any) -> bool:
@@ -133,7 +211,7 @@ class AtomicCheckpointIO(TorchCheckpointIO):
             raise TypeError(f"storage_options are not supported by {type(self).__name__}, got {storage_options!r}")
         final = Path(path)
         clean_stale(final.parent, kinds=("tmp",))
-        atomic_write(final, lambda file: torch.save(checkpoint, file))
+        atomic_write(final, lambda file: torch.save(checkpoint, file), "checkpoint", lambda: tensor_bytes(checkpoint))
 
     def load_checkpoint(
         self,
@@ -153,9 +231,28 @@ class AtomicCheckpointIO(TorchCheckpointIO):
         clean_stale(file.parent, kinds=("tmp",))
         return super().load_checkpoint(file, map_location=map_location, weights_only=weights_only)
 
+
+def _keep_previous(config_path: Path, text: str) -> Path | None:
+    """Before ``config_path`` is replaced by ``text``: copy a different existing config to the first free
+    ``<stem>-<k><suffix>`` beside it (a resumed run's folder keeps the config of every start). Returns the copy."""
+    try:
+        previous = config_path.read_bytes()
+    except FileNotFoundError:
+        return None
+    if previous == text.encode():
+        return None
+    index = 1
+    while (copy := config_path.with_name(f"{config_path.stem}-{index}{config_path.suffix}")).exists():
+        index += 1
+    atomic_write(copy, lambda file: file.write(previous), "config")
+    return copy
+
+
 class AtomicSaveConfigCallback(SaveConfigCallback):
     """LightningCLI's `SaveConfigCallback`, writing ``config.yaml`` atomically (`lit_smd.atomic.atomic_write_text`).
 
+    A run resumed in its own folder (`lit_smd.run_folder`) finds the config of its previous start there: when it
+    differs, it is kept as ``config-1.yaml`` (then ``config-2.yaml``, ...) before ``config.yaml`` is replaced.
     Multi-file configs (``multifile=True``) and remote log folders are left to Lightning.
     """
 
@@ -177,8 +274,9 @@ class AtomicSaveConfigCallback(SaveConfigCallback):
                     'save_config_kwargs={"overwrite": True} to allow it)'
                 )
         if trainer.is_global_zero:
-            os.makedirs(log_dir, exist_ok=True)
-            atomic_write_text(config_path, self.parser.dump(self.config, skip_none=False))
+            text = self.parser.dump(self.config, skip_none=False)
+            _keep_previous(config_path, text)
+            atomic_write_text(config_path, text, "config")
             self.save_config(trainer, pl_module, stage)
             self.already_saved = True
         self.already_saved = trainer.strategy.broadcast(self.already_saved)

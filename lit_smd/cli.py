@@ -3,12 +3,14 @@
     lit-smd fit --config configs/grpo/quickstart_cpu.yaml
     lit-smd fit --config configs/grpo/quickstart_cpu.yaml --print_config
     lit-smd fit --config <run dir>/config.yaml --ckpt_path <run dir>/checkpoints/last.ckpt
+    lit-smd fit --config configs/grpo/quickstart_cpu.yaml --ckpt_path last      # the newest run's latest checkpoint
     lit-smd validate --config ... --ckpt_path ...
     lit-smd cache-teacher --config configs/distill/cache-teacher.yaml
 
 Models and DataModules are chosen by ``class_path`` in the config (subclass mode), so any LightningModule or
 LightningDataModule importable from Python works, ours or a user's. The resolved config (seed included) is saved
-next to the TensorBoard logs of every run.
+next to the TensorBoard logs of every run. A run resumed from its newest checkpoint continues in its own folder, and a
+start that fails leaves no empty ``version_N`` behind (`lit_smd.run_folder`).
 
 Besides Lightning's subcommands, ``cache-teacher`` builds an offline teacher-logit cache
 (`lit_smd.datamodules.build_teacher_cache`; its arguments are that function's, ``--help`` lists them).
@@ -23,6 +25,7 @@ from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
 from lightning.pytorch import LightningDataModule, LightningModule
 from lightning.pytorch.cli import ArgsType, LightningCLI
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lit_smd.checkpoint_io import (
     AtomicCheckpointIO,
@@ -33,6 +36,7 @@ from lit_smd.checkpoint_io import (
 from lit_smd.cli_guards import install_config_guard, warn_checkpoint_overrides
 from lit_smd.datamodules.teacher_cache import CacheMetadata
 from lit_smd.datamodules.teacher_cache_build import build_teacher_cache
+from lit_smd.run_folder import continue_run_folder, no_folder_from_failed_start, resolve_last
 
 __all__ = ["LitSmdCLI", "cache_teacher", "console_main", "main"]
 
@@ -48,6 +52,8 @@ class LitSmdCLI(LightningCLI):
         warn for each configured model argument that the checkpoint's hyperparameters replace."""
         subcommand = self.config.get("subcommand")
         config = self.config.get(subcommand or "", None)
+        if config is not None and config.get("ckpt_path") == "last":
+            config.ckpt_path = _resolve_last(config)
         if config is not None and config.get("ckpt_path") and _is_local_file_protocol(config.ckpt_path):
             fallback = fallback_requested(config.get("trainer", {}).get("plugins"))
             config.ckpt_path = str(checked_checkpoint_path(config.ckpt_path, fallback))
@@ -56,6 +62,27 @@ class LitSmdCLI(LightningCLI):
         if configured:
             loaded = _model_arguments(self.config[subcommand].get("model"))
             warn_checkpoint_overrides(configured, loaded, self.config[subcommand].get("ckpt_path"))
+
+    def _run_subcommand(self, subcommand: str) -> None:
+        """Lightning's, where ``fit`` resumed from a run's newest checkpoint continues that run's folder and a start
+        that fails leaves no run folder behind (`lit_smd.run_folder`)."""
+        if subcommand == "fit":
+            account = continue_run_folder(self.trainer, self.config_init[subcommand].get("ckpt_path"))
+            if account is not None:
+                rank_zero_info(account)
+        with no_folder_from_failed_start(self.trainer):
+            super()._run_subcommand(subcommand)
+
+
+def _resolve_last(config: Namespace) -> str | None:
+    """``--ckpt_path last``: the newest checkpoint of the newest run folder, None when there is none yet
+    (`lit_smd.run_folder.resolve_last`; says which in the log); ``last`` for Lightning where the layout is unknown."""
+    resolved = resolve_last(config.get("trainer") or {})
+    if resolved is None:
+        return "last"
+    checkpoint, account = resolved
+    rank_zero_info(account)
+    return None if checkpoint is None else str(checkpoint)
 
 
 def _model_arguments(model: Any) -> dict[str, Any]:

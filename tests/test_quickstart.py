@@ -94,6 +94,7 @@ def test_both_stages_log_to_tensorboard_save_their_config_and_resume(tmp_path):
         ["fit", "--config", str(grpo_dir / "config.yaml"), "--ckpt_path", str(last), "--trainer.max_steps", "3"]
     )
     assert resumed.trainer.global_step == 3
+    assert Path(resumed.trainer.log_dir) == grpo_dir, "the resumed run continues its folder"
 
 
 @pytest.mark.parametrize("config", [WARMUP, QUICKSTART], ids=lambda path: path.stem)
