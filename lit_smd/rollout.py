@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lit_smd._deprecation import moved, renamed_kwargs
 from lit_smd.kv.attention import ensure_attention
 from lit_smd.kv.budget import resolve_budget
 from lit_smd.kv.cache import BudgetedCache
@@ -34,6 +35,8 @@ from lit_smd.kv.shadow import ShadowMask
 from lit_smd.losses.head import output_head
 
 __all__ = ["Rollout", "generate", "prefill", "sample_tokens"]
+
+__getattr__ = moved(__name__, {"score": "lit_smd.learner.score"})  # deprecated in 0.2.0
 
 
 @dataclass
@@ -271,6 +274,7 @@ def prefill(model: torch.nn.Module, cache: BudgetedCache, input_ids: torch.Tenso
     return torch.cat(logits)
 
 
+@renamed_kwargs(num_samples="num_generations")  # deprecated in 0.2.0
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,
