@@ -35,7 +35,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").rglob("*.md"))]
 FIXTURES = ROOT / "tests/fixtures"
 NOT_RUN_MARKER = "# not run by the tests:"
-NOT_RUN = 5  # blocks marked NOT_RUN_MARKER over all pages (see test_the_blocks_not_run_are_few_and_say_why)
+NOT_RUN = 4  # blocks marked NOT_RUN_MARKER over all pages (see test_the_blocks_not_run_are_few_and_say_why)
 FENCE = re.compile(r"^```(?P<lang>[\w-]*)\n(?P<body>.*?)^```$", re.MULTILINE | re.DOTALL)
 HUB_ID = re.compile(r"""(?<=["' ])Qwen/[\w.-]+""")
 YAML_HEADER = re.compile(r"^# (?P<file>[\w./-]+\.yaml); run: (?P<command>lit-smd .+)$")
@@ -87,6 +87,8 @@ class Workspace:
         self.last_run: Path | None = None
         (path / "configs").symlink_to(ROOT / "configs")
         save_tiny_checkpoint(path / "runs/quickstart-sft/policy")  # what the quickstart's stage 1 exports
+        (path / "data").mkdir()
+        (path / "data/train.jsonl").symlink_to(FIXTURES / "trl_conversational.jsonl")  # the reader's own TRL data
 
     def tiny_for(self, hub_id: str) -> str:
         """A tiny local checkpoint standing for ``hub_id`` (a different seed per id, one shared tokenizer)."""
@@ -117,7 +119,7 @@ def tiny_overrides(argv: list[str], workspace: Workspace) -> list[str]:
         return []
     steps = ["--trainer.max_steps", "2", "--trainer.enable_progress_bar", "false", "--trainer.precision", "32-true",
              "--trainer.accelerator", "cpu"]  # fmt: skip
-    if configs[0].startswith("runs/") or "--ckpt_path" in argv:  # a saved config: already tiny
+    if configs[0].startswith("runs/"):  # a run's saved config: already tiny
         return ["--trainer.max_steps", "3"] if argv[0] == "fit" else []
     if configs[0] == "configs/sft/quickstart_warmup.yaml":
         return [
@@ -127,7 +129,8 @@ def tiny_overrides(argv: list[str], workspace: Workspace) -> list[str]:
             "--data.init_args.batch_size", "4",
         ]  # fmt: skip
     if configs[0] == "configs/grpo/quickstart_cpu.yaml":
-        extra = [] if any(c.endswith("rewards.yaml") for c in configs) else [
+        own_data = any(not c.startswith("configs/") for c in configs)  # a documented YAML layered on top
+        extra = ["--data.init_args.max_new_tokens", "8"] if own_data else [
             "--data.init_args.dataset_kwargs", json.dumps({"size": 8, "seed": 3, **TASK})
         ]  # fmt: skip
         return [*steps, *extra, "--data.init_args.prompts_per_step", "2", "--data.init_args.num_generations", "2"]
@@ -139,18 +142,23 @@ def tiny_overrides(argv: list[str], workspace: Workspace) -> list[str]:
             "--trainer.callbacks.init_args.num_samples", "2", "--trainer.callbacks.init_args.pass_k", "[1, 2]",
             "--trainer.limit_val_batches", "1",
         ]  # fmt: skip
+        policy = workspace.tiny_for("Qwen/Qwen3-4B-Instruct-2507")  # the configs' hub id
         return [
-            *steps, "--model.init_args.model_dtype", "float32", "--data.init_args.dataset_kwargs", fixture,
+            *steps, "--model.init_args.policy", policy, "--data.init_args.tokenizer", policy,
+            "--model.init_args.model_dtype", "float32", "--data.init_args.dataset_kwargs", fixture,
             "--data.init_args.prompts_per_step", "2", "--data.init_args.num_generations", "2",
             "--data.init_args.max_new_tokens", "4", *evaluation,
         ]  # fmt: skip
     if configs[0] == "configs/distill/qwen3-0.6b-gsm8k.yaml":
         cached = any(c.endswith("cached.yaml") for c in configs)
-        data = ["--data.init_args.path", "caches/qwen3-4b-gsm8k-k64"] if cached else [
-            "--data.init_args.dataset_kwargs", json.dumps({"path": str(FIXTURES / "gsm8k.jsonl")})
+        student, teacher = workspace.tiny_for("Qwen/Qwen3-0.6B"), workspace.tiny_for("Qwen/Qwen3-4B")  # the configs'
+        data = [] if cached else [
+            "--model.init_args.teacher", teacher,
+            "--data.init_args.dataset_kwargs", json.dumps({"path": str(FIXTURES / "gsm8k.jsonl")}),
         ]  # fmt: skip
         return [
-            *steps, "--model.init_args.model_dtype", "float32", "--model.init_args.max_new_tokens", "8",
+            *steps, "--model.init_args.student", student, "--data.init_args.tokenizer", student,
+            "--model.init_args.model_dtype", "float32", "--model.init_args.max_new_tokens", "8",
             "--data.init_args.batch_size", "2", "--data.init_args.num_probe_prompts", "2", "--model.init_args.top_k",
             "4", "--trainer.callbacks.init_args.lengths", "[8, 16]", *data,
         ]  # fmt: skip
@@ -163,7 +171,7 @@ def run_command(command: str, workspace: Workspace, block: Block) -> None:
         ci = (ROOT / ".ci/run").read_text().replace(" -q", "")
         assert command in ci, f"{block.where}: setup command {command!r} is not the one .ci/run runs"
         return
-    argv = shlex.split(workspace.localise(command))
+    argv = shlex.split(command)
     assert argv[0] in ("lit-smd", ".venv/bin/lit-smd"), f"{block.where}: no runner for {command!r}"
     argv = argv[1:]
     argv += tiny_overrides(argv, workspace)
@@ -174,23 +182,25 @@ def run_command(command: str, workspace: Workspace, block: Block) -> None:
         return
     result = main(argv)
     if argv[0] != "cache-teacher":
-        workspace.last_run = Path(result.trainer.log_dir).relative_to(workspace.path)
+        log_dir = Path(result.trainer.log_dir)
+        workspace.last_run = log_dir.relative_to(workspace.path) if log_dir.is_absolute() else log_dir
 
 
 def run_block(block: Block, workspace: Workspace) -> None:
     """Run one code block in the page's workspace."""
-    body = workspace.localise(block.body)
     if block.lang == "bash":
-        for command in commands(body):
-            run_command(command, workspace, block)
-    elif block.lang == "python":
+        for command in commands(block.body):
+            run_command(workspace.localise(command), workspace, block)
+        return
+    body = workspace.localise(block.body)
+    if block.lang == "python":
         if header := PY_FILE_HEADER.match(body):
             (workspace.path / header["file"]).write_text(body)
             return
         body = re.sub(r"\bmax_steps=\d+", "max_steps=2", body)
         exec(compile(body, block.where, "exec"), {"__name__": "__docs__"})  # noqa: S102  (the documented code)
     elif block.lang == "yaml":
-        header = YAML_HEADER.match(body)
+        header = YAML_HEADER.match(body.splitlines()[0])
         assert header, f"{block.where}: a YAML block opens with '# <file>.yaml; run: lit-smd ...'"
         (workspace.path / header["file"]).write_text(body)
         run_command(header["command"], workspace, block)
