@@ -243,7 +243,9 @@ def _check_generate_args(
 
 
 @torch.no_grad()
-def prefill(model: torch.nn.Module, cache: BudgetedCache, input_ids: torch.Tensor, prefill_batch_size: int):
+def prefill(
+    model: torch.nn.Module, cache: BudgetedCache, input_ids: torch.Tensor, prefill_batch_size: int
+) -> torch.Tensor:
     """Prefill ``input_ids`` into ``cache`` in micro-batches of prompts; each is compressed before the next runs.
 
     Args:
@@ -254,7 +256,7 @@ def prefill(model: torch.nn.Module, cache: BudgetedCache, input_ids: torch.Tenso
 
     Returns:
         ``[B, V]`` next-token logits after each prompt, from the model's own forward (its logit post-processing
-        included; `lit_smd.losses.head.output_head` computes the same for the learner).
+            included; `lit_smd.losses.head.output_head` computes the same for the learner).
     """
     logits = []
     # A "prepared" 4-D mask, so transformers builds none (for sliding-window models it would build [m, 1, W, W]):

@@ -227,6 +227,7 @@ def test_the_readme_opens_with_the_two_commands_ci_runs() -> None:
     ]  # fmt: skip
 
 
+@pytest.mark.filterwarnings("error:.*will be removed in lit_smd:FutureWarning")  # examples use the current API
 @pytest.mark.parametrize("page", [p for p in PAGES if code_blocks(p)], ids=lambda p: str(p.relative_to(ROOT)))
 def test_every_block_of_the_page_runs(page: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
@@ -236,3 +237,11 @@ def test_every_block_of_the_page_runs(page: Path, tmp_path: Path, monkeypatch: p
     for block in code_blocks(page):
         if not block.body.startswith(NOT_RUN_MARKER):
             run_block(block, workspace)
+
+
+def test_the_api_reference_has_a_page_per_public_module() -> None:
+    public = ("kv", "rollout", "learner", "losses", "rewards", "metrics", "modules", "datamodules", "callbacks")
+    nav = (ROOT / "mkdocs.yml").read_text()
+    for module in public:
+        page = ROOT / "docs/api" / f"{module}.md"
+        assert f"::: lit_smd.{module}\n" in page.read_text() and f"api/{module}.md" in nav, module
