@@ -6,11 +6,13 @@ run them, with the smallest changes that make them run offline on a CPU in secon
 - a hub model id (``Qwen/...``) becomes a tiny local checkpoint (`lit_smd.tiny.save_tiny_checkpoint`, one per id);
 - ``lit-smd`` commands run in-process (`lit_smd.cli.main`) with tiny overrides appended (`tiny_overrides`: few steps,
   few prompts and tokens, a local data fixture in place of a hub dataset, CPU and float32);
-- Python blocks get ``max_steps=2``; a Python block whose first line names a file (``# my_rewards.py: ...``) is written
-  to that file (importable by later blocks) instead of run;
+- Python blocks get ``max_steps=2`` and ``max_new_tokens=16``; a Python block whose first line names a file
+  (``# my_rewards.py: ...``) is written to that file (importable by later blocks) instead of run;
 - a YAML block opens with the file it is saved as and the command that uses it
   (``# rewards.yaml; run: lit-smd fit --config ... --config rewards.yaml``);
 - ``runs/<name>/version_0`` and ``<ckpt>`` are the previous run's folder and last checkpoint;
+- what a reader brings is there: ``runs/quickstart-sft/policy`` (stage 1's export, a tiny checkpoint) and
+  ``data/train.jsonl`` (TRL conversational GSM8K rows, ``tests/fixtures/docs/train.jsonl``);
 - the setup commands (``python3 -m venv``, ``pip install``, ``pytest``) are the ones `.ci/run` executes: checked to be
   the same text, not run again.
 
@@ -88,7 +90,7 @@ class Workspace:
         (path / "configs").symlink_to(ROOT / "configs")
         save_tiny_checkpoint(path / "runs/quickstart-sft/policy")  # what the quickstart's stage 1 exports
         (path / "data").mkdir()
-        (path / "data/train.jsonl").symlink_to(FIXTURES / "trl_conversational.jsonl")  # the reader's own TRL data
+        (path / "data/train.jsonl").symlink_to(FIXTURES / "docs/train.jsonl")  # the reader's own TRL data
 
     def tiny_for(self, hub_id: str) -> str:
         """A tiny local checkpoint standing for ``hub_id`` (a different seed per id, one shared tokenizer)."""
@@ -128,12 +130,10 @@ def tiny_overrides(argv: list[str], workspace: Workspace) -> list[str]:
             "--data.init_args.val_dataset_kwargs", json.dumps({"size": 4, "seed": 2, **TASK}),
             "--data.init_args.batch_size", "4",
         ]  # fmt: skip
+    own_data = any(not c.startswith("configs/") for c in configs)  # a documented YAML layered on top sets the data
     if configs[0] == "configs/grpo/quickstart_cpu.yaml":
-        own_data = any(not c.startswith("configs/") for c in configs)  # a documented YAML layered on top
-        extra = ["--data.init_args.max_new_tokens", "8"] if own_data else [
-            "--data.init_args.dataset_kwargs", json.dumps({"size": 8, "seed": 3, **TASK})
-        ]  # fmt: skip
-        return [*steps, *extra, "--data.init_args.prompts_per_step", "2", "--data.init_args.num_generations", "2"]
+        data = [] if own_data else ["--data.init_args.dataset_kwargs", json.dumps({"size": 8, "seed": 3, **TASK})]
+        return [*steps, *data, "--data.init_args.prompts_per_step", "2", "--data.init_args.num_generations", "2"]
     if configs[0].startswith("configs/grpo/qwen3-4b/"):
         task = Path(configs[0]).stem
         fixture = json.dumps({"path": str(FIXTURES / f"{task}.jsonl")})
@@ -143,9 +143,10 @@ def tiny_overrides(argv: list[str], workspace: Workspace) -> list[str]:
             "--trainer.limit_val_batches", "1",
         ]  # fmt: skip
         policy = workspace.tiny_for("Qwen/Qwen3-4B-Instruct-2507")  # the configs' hub id
+        data = [] if own_data else ["--data.init_args.dataset_kwargs", fixture]
         return [
             *steps, "--model.init_args.policy", policy, "--data.init_args.tokenizer", policy,
-            "--model.init_args.model_dtype", "float32", "--data.init_args.dataset_kwargs", fixture,
+            "--model.init_args.model_dtype", "float32", *data,
             "--data.init_args.prompts_per_step", "2", "--data.init_args.num_generations", "2",
             "--data.init_args.max_new_tokens", "4", *evaluation,
         ]  # fmt: skip
@@ -198,6 +199,7 @@ def run_block(block: Block, workspace: Workspace) -> None:
             (workspace.path / header["file"]).write_text(body)
             return
         body = re.sub(r"\bmax_steps=\d+", "max_steps=2", body)
+        body = re.sub(r"\bmax_new_tokens=\d+", "max_new_tokens=16", body)
         exec(compile(body, block.where, "exec"), {"__name__": "__docs__"})  # noqa: S102  (the documented code)
     elif block.lang == "yaml":
         header = YAML_HEADER.match(body.splitlines()[0])
