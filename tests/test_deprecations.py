@@ -5,6 +5,7 @@ bridges (`lit_smd._deprecation`) are removed in 0.3.0, and so are these tests.
 """
 
 import importlib
+from pathlib import Path
 
 import pytest
 import torch
@@ -140,3 +141,15 @@ def test_topk_token_kl_lm_head_weight() -> None:
             logit_transform=head.transform, tail="bucket",
         )  # fmt: skip
     assert torch.equal(old.loss, new.loss)
+
+
+def test_a_config_naming_the_old_class_path_still_parses(tmp_path, capsys) -> None:
+    from lit_smd.cli import main
+
+    warmup = (Path(__file__).resolve().parents[1] / "configs/sft/quickstart_warmup.yaml").read_text()
+    assert "class_path: lit_smd.tiny.build_tiny_model" in warmup
+    old = tmp_path / "old.yaml"
+    old.write_text(warmup.replace("lit_smd.tiny.build_tiny_model", "lit_smd.models.build_tiny_model"))
+    with pytest.warns(FutureWarning, match="use lit_smd.tiny.build_tiny_model"), pytest.raises(SystemExit) as exit_info:
+        main(["fit", "--config", str(old), "--print_config"])
+    assert exit_info.value.code == 0 and "lit_smd.models.build_tiny_model" in capsys.readouterr().out
