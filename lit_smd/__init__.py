@@ -1,3 +1,3 @@
 """lit_smd: Lightning modules for LLM post-training with KV-compressed rollouts and decoupled-KL distillation."""
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"

@@ -29,7 +29,14 @@ from transformers import (
 )
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 
+from lit_smd._deprecation import moved
 from lit_smd.kv import ATTN_IMPLEMENTATION
+
+_MOVED_TO_TINY = (
+    "build_tiny_model", "build_tiny_tokenizer", "tiny_config", "save_tiny_checkpoint", "TINY_FAMILIES", "ModelFamily",
+    "TINY_CHAT_TEMPLATE", "PAD_TOKEN", "BOS_TOKEN", "EOS_TOKEN", "UNK_TOKEN", "IM_START_TOKEN", "IM_END_TOKEN",
+)  # fmt: skip
+__getattr__ = moved(__name__, {name: f"lit_smd.tiny.{name}" for name in _MOVED_TO_TINY})  # deprecated in 0.2.0
 
 Quantization = Literal["8bit", "4bit"]
 """bitsandbytes weight formats accepted by `load_causal_lm`."""

@@ -25,6 +25,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
+from lit_smd._deprecation import moved, renamed_kwargs
 from lit_smd.kv.attention import ensure_attention
 from lit_smd.kv.budget import resolve_budget
 from lit_smd.kv.cache import BudgetedCache
@@ -34,6 +35,8 @@ from lit_smd.kv.shadow import ShadowMask
 from lit_smd.losses.head import output_head
 
 __all__ = ["Rollout", "generate", "prefill", "sample_tokens"]
+
+__getattr__ = moved(__name__, {"score": "lit_smd.learner.score"})  # deprecated in 0.2.0
 
 
 @dataclass
@@ -240,7 +243,9 @@ def _check_generate_args(
 
 
 @torch.no_grad()
-def prefill(model: torch.nn.Module, cache: BudgetedCache, input_ids: torch.Tensor, prefill_batch_size: int):
+def prefill(
+    model: torch.nn.Module, cache: BudgetedCache, input_ids: torch.Tensor, prefill_batch_size: int
+) -> torch.Tensor:
     """Prefill ``input_ids`` into ``cache`` in micro-batches of prompts; each is compressed before the next runs.
 
     Args:
@@ -251,7 +256,7 @@ def prefill(model: torch.nn.Module, cache: BudgetedCache, input_ids: torch.Tenso
 
     Returns:
         ``[B, V]`` next-token logits after each prompt, from the model's own forward (its logit post-processing
-        included; `lit_smd.losses.head.output_head` computes the same for the learner).
+            included; `lit_smd.losses.head.output_head` computes the same for the learner).
     """
     logits = []
     # A "prepared" 4-D mask, so transformers builds none (for sliding-window models it would build [m, 1, W, W]):
@@ -271,6 +276,7 @@ def prefill(model: torch.nn.Module, cache: BudgetedCache, input_ids: torch.Tenso
     return torch.cat(logits)
 
 
+@renamed_kwargs(num_samples="num_generations")  # deprecated in 0.2.0
 @torch.no_grad()
 def generate(
     model: torch.nn.Module,

@@ -6,6 +6,7 @@ streams in the checkpoint) and trains from a `ResumableDataLoader` (or `RolloutS
 part-way. Subclass them for your own DataModules to get the same (`lit_smd.datamodules.resume`).
 """
 
+from lit_smd._deprecation import moved
 from lit_smd.datamodules.distill import DistillDataModule, ProbeSource, PromptBatch
 from lit_smd.datamodules.experience import Experience, RolloutLearner, ScoredRollout
 from lit_smd.datamodules.resume import ResumableDataLoader, ResumableDataModule
@@ -43,3 +44,5 @@ __all__ = [
     "teacher_topk_logprobs",
     "tokenizer_fingerprint",
 ]
+
+__getattr__ = moved(__name__, {"ExperienceStream": "lit_smd.datamodules.RolloutStream"})  # deprecated in 0.2.0

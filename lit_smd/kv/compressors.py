@@ -48,6 +48,7 @@ from typing import TYPE_CHECKING, ClassVar, Literal, Protocol, runtime_checkable
 import torch
 import torch.nn.functional as F
 
+from lit_smd._deprecation import moved
 from lit_smd.kv.budget import BudgetMode, check_budget, shortest_prompt
 
 if TYPE_CHECKING:
@@ -66,6 +67,10 @@ __all__ = [
 ]
 
 INF = float("inf")
+
+__getattr__ = moved(  # deprecated in 0.2.0
+    __name__, {name: f"lit_smd.kv.budget.{name}" for name in ("budget_at", "resolve_budget", "BUDGET_MODES")}
+)
 
 
 def _check_nonnegative(owner: str, **fields: int) -> None:

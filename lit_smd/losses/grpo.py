@@ -27,6 +27,8 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
+from lit_smd._deprecation import renamed_kwargs
+
 ScaleRewards = Literal["group", "batch", "none"]
 LossType = Literal["grpo", "dr_grpo", "dapo"]
 
@@ -117,6 +119,7 @@ def _check_token_tensors(mask: Tensor, **tensors: Tensor | None) -> None:
             raise ValueError(f"`{name}` must have the shape of `mask` {tuple(mask.shape)}, got {tuple(tensor.shape)}")
 
 
+@renamed_kwargs(group_size="num_generations")  # deprecated in 0.2.0
 def group_advantages(
     rewards: Tensor,
     num_generations: int,

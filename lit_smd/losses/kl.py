@@ -51,6 +51,8 @@ import math
 import torch
 from torch import Tensor
 
+from lit_smd._deprecation import legacy_call
+from lit_smd.losses import _legacy
 from lit_smd.losses._fused_kl import (
     KLOutput,
     check_head,
@@ -116,6 +118,7 @@ def token_kl(
     return (per_token * weights).sum() / denominator(weights, None)
 
 
+@legacy_call(_legacy.chunked_token_kl_0_1)  # 0.1.0's weight / bias arguments, deprecated
 def chunked_token_kl(
     student_hidden: Tensor,
     head: OutputHead,

@@ -25,6 +25,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from lit_smd._deprecation import legacy_call
+from lit_smd.losses import _legacy
 from lit_smd.losses._fused_kl import (
     KLOutput,
     check_head,
@@ -47,6 +49,7 @@ __all__ = ["TailMode", "topk_token_kl"]
 TailMode = Literal["renormalize", "bucket"]
 
 
+@legacy_call(_legacy.topk_token_kl_0_1)  # 0.1.0's weight / bias arguments, deprecated
 def topk_token_kl(
     student: Tensor,
     teacher_topk_ids: Tensor,

@@ -12,12 +12,15 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
+from lit_smd._deprecation import legacy_call
+from lit_smd.losses import _legacy
 from lit_smd.losses.head import LogitTransform, OutputHead
 from lit_smd.reduced_matmul import linear
 
 __all__ = ["token_logprobs_and_entropy"]
 
 
+@legacy_call(_legacy.token_logprobs_and_entropy_0_1)  # 0.1.0's weight / bias arguments, deprecated
 def token_logprobs_and_entropy(
     hidden: Tensor,
     head: OutputHead,

@@ -10,6 +10,7 @@ minibatch, sliced for each of its minibatches, dropped after the last, and saved
 rank's, as `lit_smd.datamodules.resume` saves the data side's), so that a resumed run divides by the same ``pi_old``.
 """
 
+import inspect
 import time
 import warnings
 from dataclasses import replace
@@ -28,7 +29,7 @@ from lit_smd.modules._grpo_checks import check_minibatches, check_rollout
 from lit_smd.modules._grpo_metrics import batch_metrics
 from lit_smd.rollout import Rollout
 
-__all__ = ["ExperienceInProgress", "ExperienceLearner", "build_experience"]
+__all__ = ["ExperienceInProgress", "ExperienceLearner", "build_experience", "make_experience_0_1"]
 
 
 class ExperienceLearner(Protocol):
@@ -176,3 +177,37 @@ class ExperienceInProgress:
     def load_state_dict(self, ranks: list[dict[str, Any] | None], rank: int, world_size: int) -> None:
         """Keep this rank's saved entry for the resumed batch (none from a checkpoint of another number of ranks)."""
         self._restored = ranks[rank] if len(ranks) == world_size else None
+
+
+def _make_experience_0_1(
+    self: Any,
+    rollout: Rollout,
+    rewards: Tensor,
+    *,
+    group_size: int,
+    reward_components: dict[str, Tensor] | None = None,
+    max_completion_length: int | None = None,
+    num_iterations: int = 1,
+    minibatch_size: int | None = None,
+    reward_metrics: dict[str, float] | None = None,
+    timings: dict[str, float] | None = None,
+) -> None:
+    """The 0.1.0 signature of `GRPOModule.make_experience` (only bound, never called)."""
+
+
+def make_experience_0_1(args: tuple, kwargs: dict) -> tuple[tuple, dict, str, str] | None:
+    """``make_experience(rollout, rewards, group_size=G, ...)`` -> ``make_experience(ScoredRollout(rollout, rewards,
+    num_generations=G, ...))`` (a `lit_smd._deprecation.legacy_call` adapter, until lit_smd 0.3.0)."""
+    if len(args) < 3 and "rewards" not in kwargs and "group_size" not in kwargs:
+        return None
+    old = inspect.signature(_make_experience_0_1).bind(*args, **kwargs).arguments
+    scored = ScoredRollout(
+        old["rollout"], old["rewards"], num_generations=old["group_size"],
+        reward_components=old.get("reward_components") or {}, reward_metrics=old.get("reward_metrics") or {},
+        timings=old.get("timings") or {}, max_completion_length=old.get("max_completion_length"),
+        num_iterations=old.get("num_iterations", 1), minibatch_size=old.get("minibatch_size"),
+    )  # fmt: skip
+    return (
+        (old["self"], scored), {}, "make_experience(rollout, rewards, group_size=G, ...)",
+        "make_experience(ScoredRollout(rollout, rewards, num_generations=G, ...)) (lit_smd.datamodules)",
+    )  # fmt: skip

@@ -94,6 +94,7 @@ from lightning.pytorch import LightningModule
 from torch import Tensor
 from transformers import PreTrainedModel
 
+from lit_smd._deprecation import legacy_call
 from lit_smd.datamodules.experience import Experience, PhaseListener, ScoredRollout
 from lit_smd.kv import Compressor
 from lit_smd.learner import LearnerLayout, LearnerPass, check_learner_layout
@@ -120,7 +121,7 @@ from lit_smd.modules._common import (
     start_fit,
 )
 from lit_smd.modules._grpo_checks import check_grpo_args, check_training_batch, default_rollout_correction
-from lit_smd.modules._grpo_experience import ExperienceInProgress, build_experience
+from lit_smd.modules._grpo_experience import ExperienceInProgress, build_experience, make_experience_0_1
 from lit_smd.modules._grpo_metrics import (
     log_learner_time,
     log_step,
@@ -434,6 +435,7 @@ class GRPOModule(LightningModule):
 
     # ------------------------------------------------------------------------------- experience (data interface)
 
+    @legacy_call(make_experience_0_1)  # the 0.1.0 call (rollout, rewards, group_size=...), deprecated in 0.2.0
     def make_experience(self, scored: ScoredRollout) -> Experience:
         """Turn a whole scored rollout batch into its `Experience`, before any update (`training_step` does this on
         the batch's first minibatch); works for a `Rollout` from any source.

@@ -1,7 +1,7 @@
 """Shared pieces of the bad-input catalogue (``tests/bad_inputs``).
 
 Every test module here is a table of (entry point, bad input, expected exception, regex): the regex must name the
-offending parameter (or file / function) and say what would be valid. README.md's Troubleshooting section lists the
+offending parameter (or file / function) and say what would be valid. docs/troubleshooting.md lists the
 same cases for users.
 
 - `tiny_dir`: a tiny Qwen3 checkpoint and its tokenizer written with ``save_pretrained`` (session-scoped, read-only).
