@@ -12,13 +12,15 @@ Variants, in this order, each measured in this run on the same weights and promp
 - ``lit_dense_compiled`` / ``lit_snapkv_h2o_compiled``: ``generate(..., compile=True)`` when lit_smd's ``generate``
   has that keyword (read with ``inspect.signature``), else a row saying 'n/a'.
 
-Per variant: one warm-up call (for the compiled variants a full-length call, so the timed call runs compiled shapes),
-one call with 1 new token (the prefill and the first sample: ``t_1``) and one full call (``t_N``); decode tokens/s =
-rows x (N - 1) / (t_N - t_1). Memory after ``generate`` returns (CUDA): ``memory_allocated`` after the full call
-against before it, without and then with ``gc.collect()``; for lit_smd whether its `BudgetedCache` is still alive
-right after return (a weak reference, garbage collection not run). Each shape has a time budget (``--shape-seconds``):
-a variant that would start with less than a quarter of it left is skipped, and the row says so. JSON is written after
-every row, so a run cut off by its time limit keeps what it measured.
+Per variant: one warm-up call, one call that stops after 1 new token (the prefill and the first sample: ``t_1``) and
+one full call (``t_N``); decode tokens/s = rows x (N - 1) / (t_N - t_1). transformers' calls are all sized for the
+full length (a static cache is allocated, and its compiled graphs specialised, for ``prompt + N``) and stopped early
+by a stopping criterion; lit_smd's compiled variants warm up with a full-length call. Memory after ``generate``
+returns (CUDA): ``memory_allocated`` after the full call against before it, without and then with ``gc.collect()``;
+for lit_smd whether its `BudgetedCache` is still alive right after return (a weak reference, no garbage collection).
+Each shape has a time budget (``--shape-seconds``): a variant that would start with less than a quarter of it left is
+skipped, and the row says so. JSON is written after every row, so a run cut off by its time limit keeps what it
+measured.
 
 ``--toy``: the same logic at toy size on any device (tiny Qwen3, 2 prompts x 2 samples, shapes 32+16 and 64+16,
 float32, no compilation), for the CPU test of `benchmarks/gpu_check.sh`.
@@ -154,9 +156,12 @@ def measure(variant: str, model, ids, mask, new: int, args, device) -> dict[str,
     compiled = variant.endswith("_compiled") and args.compile
     if variant.endswith("_compiled") and not args.compile:
         row["status"] = "ran uncompiled (--no-compile)"
-    full_warmup = compiled and variant.startswith("lit")  # its compiled shapes depend on the full length
-    row["warmup_s"] = _timed(lambda: call(new if full_warmup else min(new, 4), None if full_warmup else 2), device)
-    row["prefill_s"] = _timed(lambda: call(1), device)
+    if variant.startswith("hf"):  # the full call's cache shape (a static cache is sized by it), stopped early
+        warmup, prefill = (lambda: call(new, min(new, 4))), (lambda: call(new, 1))
+    else:  # lit_smd's compiled shapes depend on the full length; a 1-token call runs no decode step
+        warmup, prefill = (lambda: call(new if compiled else min(new, 4))), (lambda: call(1))
+    row["warmup_s"] = _timed(warmup, device)
+    row["prefill_s"] = _timed(prefill, device)
     gc.collect()
     before = _allocated(device)
     with _CacheWatch() as watch:
