@@ -5,8 +5,8 @@ One model of the Qwen3-1.7B shape with random weights (28 layers, hidden 2048, 1
 temperature 1, exactly ``new`` tokens per row (no EOS), per shape ``prompt+new`` (default 1024+1024 and 8192+1024).
 Variants, in this order, each measured in this run on the same weights and prompts:
 
+- ``hf_dynamic``: transformers ``generate`` (SDPA, ``DynamicCache``, eager), the baseline of the ratios;
 - ``lit_dense`` / ``lit_snapkv_h2o``: `lit_smd.rollout.generate` dense / SnapKV-then-H2O at ``--budget``, eager;
-- ``hf_dynamic``: transformers ``generate`` (SDPA, ``DynamicCache``, eager);
 - ``hf_static_compiled``: ``generate(cache_implementation="static")``, which transformers compiles on CUDA
   (``torch.compile``, CUDA graphs); on the CPU (``--toy``) it runs uncompiled and the row says so;
 - ``lit_dense_compiled`` / ``lit_snapkv_h2o_compiled``: ``generate(..., compile=True)`` when lit_smd's ``generate``
@@ -48,8 +48,9 @@ from lit_smd.tiny import tiny_config
 QWEN3_1_7B = {"vocab_size": 151936, "hidden_size": 2048, "num_layers": 28, "num_heads": 16, "num_kv_heads": 8,
               "head_dim": 128, "intermediate_size": 6144, "tie_word_embeddings": True}  # fmt: skip
 TOY = {"vocab_size": 256}
-VARIANTS = ("lit_dense", "lit_snapkv_h2o", "hf_dynamic", "hf_static_compiled", "lit_dense_compiled",
+VARIANTS = ("hf_dynamic", "lit_dense", "lit_snapkv_h2o", "hf_static_compiled", "lit_dense_compiled",
             "lit_snapkv_h2o_compiled")  # fmt: skip
+"""In the order they run: the baseline first, so that a shape whose time budget runs out still has its ratios."""
 COMPILE_KEYWORD = "compile" in inspect.signature(generate).parameters
 
 
