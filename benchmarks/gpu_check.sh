@@ -1,109 +1,93 @@
 #!/usr/bin/env bash
-# One prepared GPU check for a lent CUDA machine (the `nvidia-h200` kind): at most about 7.5 minutes (limits below add
-# up to 510 s), every part time-boxed. Give the device tool's run a timeout_s of about 590.
+# The GPU check: one prepared command for the lent CUDA machine (`nvidia-h200`: one H200, torch 2.11, transformers
+# 5.17, lightning, torchmetrics, triton; no datasets / jsonargparse / math-verify; no network; commands of at most
+# 10 minutes; at most 8 result files). It finishes within GPU_CHECK_SECONDS (default 470 s, under 8 minutes), every part
+# time-boxed, and writes 6 files to $OUT: log.txt, summary.md, decode.{json,md}, learner.{json,md}.
 #
-#   bash benchmarks/gpu_check.sh            # from the repository root; results under $OUT (default ./out)
+# Here (network to PyPI), once, from the repository root (.whl/ is git-ignored):
+#     python benchmarks/gpu_wheels.py download          # transformers 5.24, datasets, jsonargparse, math-verify, ...
+# Then the device tool's `run` with carry [".whl"], timeout_s 600 and the command
+#     bash benchmarks/gpu_check.sh
+# (the steps and what each table means: benchmarks/README.md, "GPU check").
 #
-# Parts, each in its own process with its own `timeout`, so one failure or overrun does not lose the others; JSON is
-# written after every row, so a part cut off by its timeout keeps what it measured:
-#   1. parity        shadow replay on CUDA (learner backend auto = FlexAttention), float32 + bfloat16      <= 45 s
-#   2. flex_tiny     score(backend="flex") vs "sdpa": log-prob + gradient agreement and fwd / fwd+bwd speed,
-#                    tiny model, float32 + bfloat16, T = 4096                                                <= 75 s
-#   3. memory        bench_rollout_memory.py, 8192-token prompt: KV bytes, max_memory_allocated, spike    <= 60 s
-#   4. speed         bench_rollout_speed.py, prompt lengths 512 / 2048 / 4096                              <= 80 s
-#   5. flex_wide     as 2 on the wide model (hidden 1024, 8 layers), bfloat16 + float32, T = 16384 and 4096 <= 120 s
-#   6. fsdp          bench_fsdp.py: FSDP2Strategy (NCCL, one rank) vs unsharded, wide model, 3 steps of compressed
-#                    rollouts + shadow replay: weight diff, log-prob gap, s / step, peak memory             <= 60 s
-#   7. learner       bench_learner_overhead.py, dense and smd, per-row vs shared-prefix (packed FlexAttention),
-#                    prompt 2048, 2 x 8, peak memory per learner step                                      <= 70 s
-# Everything printed also goes to $OUT/log.txt; the markdown tables are collected in $OUT/summary.md.
-#
-# What the machine needs. Its image has torch (2.11 + CUDA), triton, lightning and torchmetrics, but
-# transformers 5.17, and lit_smd needs transformers >= 5.24: on 5.17 the rollout fails (the `cache=` keyword does not
-# reach the cache, so the prefill finds no prompt keys: "TypeError: cannot unpack non-iterable NoneType object";
-# checked here on CPU with the 5.17 wheel). huggingface_hub 1.33, tokenizers 0.23.2 and safetensors 0.8 there satisfy
-# transformers 5.24. So the lead must carry one wheel, prepared here in the repository root:
-#     echo /.whl/ >> .git/info/exclude        # /.whl/ is already in .gitignore
-#     python3 -m pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
-#         --platform manylinux_2_28_x86_64 --platform manylinux2014_x86_64 -d .whl transformers==5.24.0
-# and call the device tool's run with carry [".whl"] and the command `bash benchmarks/gpu_check.sh`.
-# This script installs .whl/*.whl into /tmp/site when the folder is there (no network needed), and stops early with a
-# clear message if transformers is still older than 5.24 (if its import then complains about another package's
-# version, e.g. regex, carry that wheel too). lit_smd itself is used from the checkout (PYTHONPATH), not
-# installed: its other dependencies (datasets, jsonargparse, bitsandbytes) are not imported by these benchmarks.
+# Parts, each in its own process under `timeout --signal=INT` (a part cut off keeps its JSON rows and prints its table):
+#   0. wheels    install the carried wheels the machine lacks into $SITE (pip --no-index --no-deps --target), put them
+#                first on PYTHONPATH; stop here if transformers is still older than lit_smd needs
+#   1. decode    benchmarks/gpu_decode.py: decode tokens/s of lit_smd dense and SnapKV-then-H2O at 0.5 vs transformers'
+#                generate (dynamic cache; static cache + torch.compile), Qwen3-1.7B shape, 64 rows, 1024+1024 and
+#                8192+1024, eager and compiled; GPU memory after generate returns                            <= 310 s
+#   2. learner   benchmarks/gpu_learner.py: SMD learner step at 8k and 16k completions on FlexAttention: peak
+#                memory, time, compilations                                                                   <= 150 s
+# Without a CUDA device (or with GPU_CHECK_TOY=1) every part runs at toy size on the CPU (`--toy`, seconds): the
+# test suite runs it so (tests/test_gpu_check.py).
 set -u
 cd "$(dirname "$0")/.."
 OUT=${OUT:-./out}
+WHEELS=${WHEELS:-.whl}
+SITE=${SITE:-/tmp/site}
+PY=${PYTHON:-python3}
+LIMIT=${GPU_CHECK_SECONDS:-470}
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
-export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 export TORCHINDUCTOR_CACHE_DIR=${TORCHINDUCTOR_CACHE_DIR:-/tmp/inductor}
-PY=${PYTHON:-python3}
 START=$(date +%s)
+elapsed() { echo $(( $(date +%s) - START )); }
 
-echo "=== gpu_check $(date -u +%FT%TZ) OUT=$OUT"
-nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm --format=csv 2>&1 || true
-if ls .whl/*.whl >/dev/null 2>&1; then
-    echo "=== installing carried wheels: $(ls .whl)"
-    $PY -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
-        && export PYTHONPATH="/tmp/site:$PYTHONPATH"
+echo "=== gpu_check $(date -u +%FT%TZ) OUT=$OUT limit ${LIMIT}s"
+TOY=${GPU_CHECK_TOY:-auto}
+if [ "$TOY" = auto ]; then
+    if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/null 2>&1; then TOY=0; else TOY=1; fi
 fi
-if ! $PY - <<'EOF'
-import sys
-import torch, transformers
-print(f"python {sys.version.split()[0]}, torch {torch.__version__} (cuda {torch.version.cuda}, "
-      f"available {torch.cuda.is_available()}), transformers {transformers.__version__} from {transformers.__file__}")
-major, minor = (int(x) for x in transformers.__version__.split(".")[:2])
-if (major, minor) < (5, 24):
-    sys.exit("transformers >= 5.24 is required (see the header of benchmarks/gpu_check.sh: carry the wheel in .whl/)")
-if not torch.cuda.is_available():
-    sys.exit("no CUDA device visible")
-import lit_smd.rollout  # noqa: F401  the package imports from the checkout
-EOF
-then
-    echo "=== environment check failed: nothing measured"
-    exit 1
+if [ "$TOY" = 1 ]; then
+    ARGS=(--toy --device cpu)
+    echo "=== no CUDA device (or GPU_CHECK_TOY=1): toy sizes on the CPU; the figures are meaningless"
+else
+    ARGS=(--device cuda)
+    nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
+fi
+
+if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
+    echo "=== [wheels] installing what the machine lacks from $WHEELS into $SITE"
+    if ! $PY benchmarks/gpu_wheels.py install --wheels "$WHEELS" --target "$SITE"; then
+        echo "=== [wheels] failed: transformers is older than lit_smd needs; nothing measured"
+        exit 1
+    fi
+    export PYTHONPATH="$SITE:$PWD${PYTHONPATH:+:$PYTHONPATH}"
+else
+    echo "=== [wheels] no $WHEELS/*.whl: using the machine's packages (python benchmarks/gpu_wheels.py download, here)"
+    export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 fi
 
 declare -A STATUS
-part() {  # part NAME SECONDS COMMAND...
+part() {  # part NAME SECONDS COMMAND...: at most SECONDS, and never past the check's limit
     local name=$1 limit=$2
     shift 2
+    local left=$(( LIMIT - $(elapsed) ))
+    if [ "$left" -lt "$limit" ]; then limit=$left; fi
+    if [ "$limit" -le 5 ]; then STATUS[$name]="skipped: the check's ${LIMIT}s are spent"; return; fi
     echo
-    echo "=== [$name] start (limit ${limit}s, elapsed $(( $(date +%s) - START ))s): $*"
+    echo "=== [$name] start (limit ${limit}s, elapsed $(elapsed)s): $*"
     local t0=$(date +%s)
     timeout --signal=INT --kill-after=15 "$limit" "$@"
-    local rc=$?
-    STATUS[$name]="rc=$rc $(( $(date +%s) - t0 ))s"
+    STATUS[$name]="rc=$? $(( $(date +%s) - t0 ))s"
     echo "=== [$name] end ${STATUS[$name]}"
 }
 
-B=benchmarks
-part parity 45 $PY $B/bench_parity.py --device cuda --dtypes float32 bfloat16 --backend auto \
-    --json "$OUT/parity.json" --markdown "$OUT/parity.md"
-part flex_tiny 75 $PY $B/bench_masked_attention.py --device cuda --models tiny --dtypes float32 bfloat16 \
-    --seq-lens 4096 --backends sdpa flex --repeats 3 --json "$OUT/flex_tiny.json" --markdown "$OUT/flex_tiny.md"
-part memory 60 $PY $B/bench_rollout_memory.py --device cuda --prompt-len 8192 \
-    --json "$OUT/memory.json" --markdown "$OUT/memory.md"
-part speed 80 $PY $B/bench_rollout_speed.py --device cuda --prompt-lens 512 2048 4096 --repeats 3 \
-    --json "$OUT/speed.json" --markdown "$OUT/speed.md"
-part flex_wide 120 $PY $B/bench_masked_attention.py --device cuda --models wide --dtypes bfloat16 float32 \
-    --seq-lens 16384 4096 --backends sdpa flex --repeats 3 --time-budget 80 \
-    --json "$OUT/flex_wide.json" --markdown "$OUT/flex_wide.md"
-part fsdp 60 $PY $B/bench_fsdp.py --device cuda --model wide --steps 3 --json "$OUT/fsdp.json" --markdown "$OUT/fsdp.md"
-part learner 70 $PY $B/bench_learner_overhead.py --device cuda --prompt-lens 2048 --batch 2 --modes dense smd \
-    --repeats 1 --curve-prompt-lens --curve-groups --json "$OUT/learner.json" --markdown "$OUT/learner.md"
+part decode 310 $PY benchmarks/gpu_decode.py "${ARGS[@]}" --json "$OUT/decode.json" --markdown "$OUT/decode.md"
+part learner 150 $PY benchmarks/gpu_learner.py "${ARGS[@]}" --json "$OUT/learner.json" --markdown "$OUT/learner.md"
 
 {
     echo "# GPU check $(date -u +%FT%TZ)"
-    for name in parity flex_tiny memory speed flex_wide fsdp learner; do
+    echo
+    grep -E "^installed [0-9]+ of|^  UNMET" "$OUT/log.txt" || echo "(no wheels installed)"
+    for name in decode learner; do
         echo
         echo "<!-- $name: ${STATUS[$name]:-not run} -->"
-        if [ -f "$OUT/$name.md" ]; then cat "$OUT/$name.md"; else echo "($name wrote no table; see log.txt and $name.json)"; fi
+        if [ -f "$OUT/$name.md" ]; then cat "$OUT/$name.md"; else echo "($name wrote no table; see log.txt)"; fi
     done
 } > "$OUT/summary.md"
 echo
-echo "=== summary (total $(( $(date +%s) - START ))s)"
-for name in parity flex_tiny memory speed flex_wide fsdp learner; do echo "$name: ${STATUS[$name]:-not run}"; done
+echo "=== summary (total $(elapsed)s)"
+for name in decode learner; do echo "$name: ${STATUS[$name]:-not run}"; done
 exit 0

@@ -5,7 +5,8 @@ Tests and the CPU quickstart cannot reach the hub, so everything they train is b
 - `build_tiny_tokenizer`: a character-level tokenizer over printable ASCII (about 100 tokens) with pad/bos/eos
   and ChatML-style `<|im_start|>` / `<|im_end|>` tokens plus a chat template;
 - `tiny_config` / `build_tiny_model`: seeded 2-layer Llama, Qwen3 or Mistral decoders (hidden 64, GQA with 4 query
-  and 2 key/value heads) built from a config, no download;
+  and 2 key/value heads), or DeepSeek-V3 (multi-head latent attention, keys and values of different head sizes, one
+  dense and one mixture-of-experts layer), built from a config, no download;
 - `save_tiny_checkpoint`: writes a tiny model and its tokenizer to a directory, so the hub-loading path of
   `lit_smd.models` is exercised on a local directory (`load_causal_lm(directory)`, `load_tokenizer(directory)`).
 
@@ -22,6 +23,7 @@ import torch
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
+    DeepseekV3Config,
     LlamaConfig,
     MistralConfig,
     PretrainedConfig,
@@ -33,7 +35,7 @@ from transformers import (
 
 from lit_smd.kv import ATTN_IMPLEMENTATION
 
-ModelFamily = Literal["llama", "qwen3", "mistral"]
+ModelFamily = Literal["llama", "qwen3", "mistral", "deepseek_v3"]
 """Decoder families `tiny_config` can build."""
 
 TINY_FAMILIES: tuple[ModelFamily, ...] = get_args(ModelFamily)
@@ -44,7 +46,34 @@ _CONFIG_CLASSES: dict[str, type[PretrainedConfig]] = {
     "llama": LlamaConfig,
     "qwen3": Qwen3Config,
     "mistral": MistralConfig,
+    "deepseek_v3": DeepseekV3Config,
 }
+
+MLA_FAMILIES: tuple[ModelFamily, ...] = ("deepseek_v3",)
+"""Families with multi-head latent attention (MLA): the cache holds one latent head per layer, which the attention
+module expands to every query head, with key head size ``qk_nope_head_dim + qk_rope_head_dim`` and value head size
+``v_head_dim``."""
+
+
+def _mla_defaults(head_dim: int, intermediate_size: int, num_layers: int) -> dict[str, object]:
+    # The config's head_dim is the rotary part of a key head (transformers sizes RoPE by it). Every layer is dense
+    # unless first_k_dense_replace is overridden: transformers' DeepSeek router computes in float32, so float64
+    # gradients through a mixture-of-experts layer carry float32 rounding.
+    return {
+        "kv_lora_rank": 2 * head_dim, "q_lora_rank": 2 * head_dim, "qk_nope_head_dim": head_dim,
+        "qk_rope_head_dim": head_dim // 2, "head_dim": head_dim // 2, "v_head_dim": head_dim,
+        "first_k_dense_replace": num_layers, "n_routed_experts": 4,
+        "n_group": 2, "topk_group": 1, "num_experts_per_tok": 2, "n_shared_experts": 1,
+        "moe_intermediate_size": intermediate_size // 4,
+    }  # fmt: skip
+
+
+_FAMILY_DEFAULTS = {
+    "mistral": lambda **_: {"sliding_window": None},
+    "deepseek_v3": _mla_defaults,
+}
+"""Config fields a family gets unless `tiny_config`'s overrides set them (from ``head_dim``, ``intermediate_size`` and
+``num_layers``)."""
 
 
 PAD_TOKEN = "<pad>"
@@ -73,7 +102,7 @@ def tiny_config(
     hidden_size: int = 64,
     num_layers: int = 2,
     num_heads: int = 4,
-    num_kv_heads: int = 2,
+    num_kv_heads: int | None = None,
     head_dim: int = 16,
     intermediate_size: int = 128,
     initializer_range: float = 0.02,
@@ -84,18 +113,24 @@ def tiny_config(
     """Config of a tiny decoder for tests: 2 layers, hidden 64, GQA (4 query heads sharing 2 key/value heads).
 
     Mistral gets `sliding_window=None` (full attention) unless `overrides` sets one; Qwen3 has no sliding layers by
-    default.
+    default. DeepSeek-V3 gets multi-head latent attention with query and key/value latents of ``2 * head_dim``, key
+    heads of ``head_dim + head_dim // 2`` (``qk_nope_head_dim`` + ``qk_rope_head_dim``) and value heads of
+    ``head_dim``; its layers are dense unless ``first_k_dense_replace`` (an override) is below ``num_layers``: later
+    layers are then mixture-of-experts (4 routed experts in 2 groups, 2 per token, 1 shared expert of width
+    ``intermediate_size // 4``).
 
     Args:
-        family: "llama", "qwen3" or "mistral".
+        family: "llama", "qwen3", "mistral" or "deepseek_v3".
         tokenizer: Supplies `vocab_size` (when not given) and the pad/bos/eos token ids. Without one, the config
             keeps the family's default ids unless `overrides` sets `pad_token_id`, `bos_token_id`, `eos_token_id`.
         vocab_size: Embedding rows; at least `len(tokenizer)` when both are given. Required without a tokenizer.
         hidden_size: Model width.
         num_layers: Decoder layers.
         num_heads: Query heads.
-        num_kv_heads: Key/value heads; `num_heads` must be a multiple.
-        head_dim: Width of one head (independent of `hidden_size / num_heads`, as in Qwen3).
+        num_kv_heads: Key/value heads; `num_heads` must be a multiple. Default 2, and `num_heads` for MLA families,
+            whose attention expands the latent to one key/value head per query head (any other value is refused).
+        head_dim: Width of one head (independent of `hidden_size / num_heads`, as in Qwen3); for MLA, the value
+            head size (see above).
         intermediate_size: MLP width.
         initializer_range: Std of the normal weight init. Large values (e.g. 0.35) make attention peaky, so that
             evicting keys changes the logits noticeably.
@@ -107,10 +142,20 @@ def tiny_config(
         The config.
 
     Raises:
-        ValueError: If `family` is unknown, or `vocab_size` is missing or smaller than the tokenizer.
+        ValueError: If `family` is unknown, `vocab_size` is missing or smaller than the tokenizer, or `num_kv_heads`
+            differs from `num_heads` for an MLA family.
     """
     if family not in _CONFIG_CLASSES:
         raise ValueError(f"Unknown family {family!r}; expected one of {TINY_FAMILIES}.")
+    if family in MLA_FAMILIES:
+        if num_kv_heads not in (None, num_heads):
+            raise ValueError(
+                f"num_kv_heads={num_kv_heads}: {family} (MLA) has one key/value head per query head, so num_kv_heads "
+                f"must be num_heads={num_heads} or None"
+            )
+        num_kv_heads = num_heads
+    elif num_kv_heads is None:
+        num_kv_heads = 2
     if tokenizer is not None:
         if vocab_size is None:
             vocab_size = len(tokenizer)
@@ -125,20 +170,22 @@ def tiny_config(
         raise ValueError("tiny_config needs `vocab_size` or a `tokenizer` to take it from.")
     else:
         token_ids = {}
-    family_defaults = {"sliding_window": None} if family == "mistral" else {}
-    return _CONFIG_CLASSES[family](
-        vocab_size=vocab_size,
-        hidden_size=hidden_size,
-        num_hidden_layers=num_layers,
-        num_attention_heads=num_heads,
-        num_key_value_heads=num_kv_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        initializer_range=initializer_range,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        **{**family_defaults, **token_ids, **overrides},
-    )
+    fields = {
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "head_dim": head_dim,
+        "intermediate_size": intermediate_size,
+        "initializer_range": initializer_range,
+        "max_position_embeddings": max_position_embeddings,
+        "tie_word_embeddings": tie_word_embeddings,
+    }
+    if family in _FAMILY_DEFAULTS:
+        defaults = _FAMILY_DEFAULTS[family]
+        fields.update(defaults(head_dim=head_dim, intermediate_size=intermediate_size, num_layers=num_layers))
+    return _CONFIG_CLASSES[family](**{**fields, **token_ids, **overrides})
 
 
 def build_tiny_model(
@@ -157,7 +204,7 @@ def build_tiny_model(
     is left untouched) and then cast, so the float64 model of a seed holds exactly the float32 model's weights.
 
     Args:
-        family: "llama", "qwen3" or "mistral".
+        family: "llama", "qwen3", "mistral" or "deepseek_v3".
         tokenizer: Supplies the vocabulary size and pad/bos/eos ids (see `tiny_config`).
         vocab_size: Embedding rows (see `tiny_config`).
         seed: Seed of the weight init.
@@ -171,7 +218,9 @@ def build_tiny_model(
     config = tiny_config(family, tokenizer=tokenizer, vocab_size=vocab_size, **config_overrides)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, attn_implementation=attn_implementation, dtype=torch.float32)
+        model = AutoModelForCausalLM.from_config(
+            config, attn_implementation=attn_implementation, dtype=torch.float32, experts_implementation="eager"
+        )  # eager mixture-of-experts: transformers' grouped_mm kernel has no float64
     return model.to(dtype).eval()
 
 
@@ -226,7 +275,7 @@ def save_tiny_checkpoint(
 
     Args:
         directory: Output directory (created if missing).
-        family: "llama", "qwen3" or "mistral".
+        family: "llama", "qwen3", "mistral" or "deepseek_v3".
         tokenizer: Tokenizer to save alongside; `build_tiny_tokenizer()` when None.
         seed: Seed of the weight init.
         dtype: Parameter dtype saved in the checkpoint.

@@ -9,7 +9,7 @@ from transformers import AutoTokenizer, PreTrainedModel, PreTrainedTokenizerFast
 
 from lit_smd.kv import ATTN_IMPLEMENTATION
 from lit_smd.models import load_tokenizer
-from lit_smd.tiny import IM_END_TOKEN, IM_START_TOKEN, build_tiny_tokenizer, tiny_config
+from lit_smd.tiny import IM_END_TOKEN, IM_START_TOKEN, MLA_FAMILIES, build_tiny_tokenizer, tiny_config
 
 ModelFactory = Callable[..., PreTrainedModel]
 
@@ -67,11 +67,18 @@ def test_tiny_models_build_with_gqa(
     model = tiny_model_factory(family)
     config = model.config
     assert (config.num_hidden_layers, config.hidden_size) == (2, 64)
-    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
     assert config._attn_implementation == ATTN_IMPLEMENTATION
     assert config.pad_token_id == tokenizer.pad_token_id and config.eos_token_id == tokenizer.eos_token_id
     assert getattr(config, "sliding_window", None) is None
-    assert model.model.layers[0].self_attn.k_proj.out_features == 2 * 16
+    attention = model.model.layers[0].self_attn
+    if family in MLA_FAMILIES:  # one latent expanded to every head: keys 16 + 8, values 16
+        assert (config.num_attention_heads, config.num_key_value_heads, config.kv_lora_rank) == (4, 4, 32)
+        assert (config.qk_nope_head_dim, config.qk_rope_head_dim, config.v_head_dim) == (16, 8, 16)
+        assert attention.kv_b_proj.out_features == 4 * (16 + 16)
+        assert all(type(layer.mlp).__name__.endswith("MLP") for layer in model.model.layers)  # dense by default
+    else:
+        assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (4, 2, 16)
+        assert attention.k_proj.out_features == 2 * 16
     assert not model.training
     input_ids = torch.randint(len(tokenizer), (2, 7))
     with torch.no_grad():
@@ -107,3 +114,7 @@ def test_tiny_config_validation(tokenizer: PreTrainedTokenizerFast) -> None:
         tiny_config("qwen3", tokenizer=tokenizer, vocab_size=10)
     with pytest.raises(ValueError, match="family"):
         tiny_config("gpt2", vocab_size=50)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match="num_kv_heads=2: deepseek_v3 .MLA. has one key/value head per query head"):
+        tiny_config("deepseek_v3", vocab_size=50, num_kv_heads=2)
+    moe = tiny_config("deepseek_v3", vocab_size=50, num_kv_heads=4, first_k_dense_replace=1)
+    assert (moe.num_key_value_heads, moe.first_k_dense_replace, moe.n_routed_experts) == (4, 1, 4)

@@ -45,7 +45,8 @@ def lit_smd_attention(
     sliding_window: int | None = None,
     **kwargs,
 ) -> tuple[torch.Tensor, None]:
-    """Attention function: ``query [B, H_q, T, D]``, ``key/value [B, H_kv, S, D]`` -> ``[B, T, H_q, D]``.
+    """Attention function: ``query [B, H_q, T, D]``, ``key [B, H_kv, S, D]``, ``value [B, H_kv, S, D_v]`` ->
+    ``[B, T, H_q, D_v]`` (``D_v`` differs from ``D`` in MLA).
 
     Honours the ``softcap`` and ``s_aux`` (sinks) keywords of transformers' attention modules on every path
     (`lit_smd.kv.features`) and refuses, by name, keywords it cannot honour.
@@ -56,8 +57,8 @@ def lit_smd_attention(
     if cache is not None:
         layer = cache.layers[module.layer_idx]
         if layer.seen == 0:
-            return layer.attend_prefill(query, scaling, sliding_window, features), None
-        return layer.attend_decode(query, scaling, sliding_window, features), None
+            return layer.attend_prefill(query, key, value, scaling, sliding_window, features), None
+        return layer.attend_decode(query, key, value, scaling, sliding_window, features), None
 
     plan = kwargs.get("attention_plan")
     if plan is None:

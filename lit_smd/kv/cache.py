@@ -3,7 +3,11 @@
 Every layer owns slot buffers ``keys``/``values`` of shape ``[B, H_kv, capacity, D]``, allocated once at
 prefill, and a slot -> logical-position map ``positions`` (``-1`` = free slot). Evicting a key only frees its
 slot; the next generated token is written into it. The cache therefore never grows past its capacity and
-never copies itself to evict (the "150 % spike" of gather-based eviction does not exist here).
+never copies itself to evict (the "150 % spike" of gather-based eviction does not exist here). The buffers hold what
+the attention module gives the cache: keys and values (their head sizes may differ), or, for multi-head latent
+attention (MLA: DeepSeek-V2 / V3), one latent "head" per token (``kv_lora_rank`` and the rotary key part) that the
+module expands to one key and one value head per query head after the cache. Eviction is then per latent: the cache
+evicts by its own heads, and the statistics of the attention heads of each are pooled as a GQA group's are.
 
 Eviction is per sequence and per KV head. Positions are *logical*: 0 is each sequence's first real prompt
 token, pads excluded. While it runs, each layer records ``evict_steps[b, h, j]``: the first logical query
@@ -126,9 +130,8 @@ class BudgetedLayer(CacheLayerMixin):
         if key_states.shape[2] != 1:
             raise NotImplementedError("BudgetedCache decodes one token per forward (no chunked prefill)")
         slot = self.free_slot  # [B, Hkv, 1]
-        index = slot[..., None].expand(-1, -1, 1, key_states.shape[-1])
-        self.keys.scatter_(2, index, key_states)
-        self.values.scatter_(2, index, value_states)
+        self.keys.scatter_(2, slot[..., None].expand(-1, -1, 1, key_states.shape[-1]), key_states)
+        self.values.scatter_(2, slot[..., None].expand(-1, -1, 1, value_states.shape[-1]), value_states)
         newest = self.cache.decode_step(self.seen).newest  # [B]
         self.positions.scatter_(2, slot, newest[:, None, None].expand_as(slot))
         if self.cache.accumulates:
@@ -146,29 +149,41 @@ class BudgetedLayer(CacheLayerMixin):
 
     # -- rollout attention -----------------------------------------------------------------------------------
     def attend_prefill(
-        self, query: torch.Tensor, scaling: float, sliding_window: int | None, features: AttentionFeatures
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        sliding_window: int | None,
+        features: AttentionFeatures,
     ) -> torch.Tensor:
         """Dense prefill attention of the current micro-batch, then prompt selection into its slots.
 
-        When the compressor accumulates attention (H2O), its column sums come from the same pass as the output (and
-        SnapKV's window rows with them); softcap and sinks (``features``) shape those probabilities as they shape the
-        output. Returns ``[m, W, H_q, D]``.
+        ``key`` / ``value`` are what the attention module passes (``[m, H_k, W, D_k]`` / ``[m, H_k, W, D_v]``); the
+        slots store what it gave the cache, which is the same except for MLA (one latent head, expanded to
+        ``H_k`` heads after the cache): selection is per cache head, over the statistics of its ``H_k / H_cache``
+        attention heads (`PrefillContext.cache_heads`). When the compressor accumulates attention (H2O), its column
+        sums come from the same pass as the output (and SnapKV's window rows with them); softcap and sinks
+        (``features``) shape those probabilities as they shape the output. Returns ``[m, W, H_q, D_v]``.
         """
-        key, value = self._prompt_kv
+        cached_key, cached_value = self._prompt_kv
         self._prompt_kv = None
         cache, batch = self.cache, self.cache.prefill_batch
         compressor = cache.compressor
         ctx = PrefillContext(
-            query, key, value, scaling, batch.positions, batch.lengths - 1, sliding_window, cache.generator, features
-        )
+            query, key, value, scaling, batch.positions, batch.lengths - 1, sliding_window, cache.generator, features,
+            cache_heads=cached_key.shape[1],
+        )  # fmt: skip
         out = ctx.attend(column_sums=cache.accumulates, window=getattr(compressor, "observation_window", 0))
-        self._select_prompt(ctx)
-        return out.contiguous()  # [m, W, Hq, D]
+        self._select_prompt(ctx, cached_key, cached_value)
+        return out.contiguous()  # [m, W, Hq, Dv]
 
-    def _select_prompt(self, ctx: PrefillContext) -> None:
-        """Keep each prompt's ``batch.keep`` best-scoring keys in slots ``[0, keep)``, in position order."""
+    def _select_prompt(self, ctx: PrefillContext, key: torch.Tensor, value: torch.Tensor) -> None:
+        """Keep each prompt's ``batch.keep`` best-scoring keys in slots ``[0, keep)``, in position order.
+
+        ``key`` / ``value``: ``[m, H_cache, W, *]``, what the model gave the cache during the prefill.
+        """
         cache, batch = self.cache, self.cache.prefill_batch
-        key, value = ctx.key, ctx.value
         prompts, kv_heads, width, _ = key.shape
         positions = batch.positions  # [m, W]
         real = positions >= 0
@@ -187,9 +202,10 @@ class BudgetedLayer(CacheLayerMixin):
         keep = keep.expand(-1, kv_heads, -1).gather(-1, order)
 
         rows, samples = batch.rows, cache.num_generations
-        gather_kv = columns[..., None].expand(-1, -1, -1, key.shape[-1])
-        self.keys[rows, :, :kept] = key.gather(2, gather_kv).repeat_interleave(samples, dim=0)
-        self.values[rows, :, :kept] = value.gather(2, gather_kv).repeat_interleave(samples, dim=0)
+        gather_k = columns[..., None].expand(-1, -1, -1, key.shape[-1])
+        gather_v = columns[..., None].expand(-1, -1, -1, value.shape[-1])
+        self.keys[rows, :, :kept] = key.gather(2, gather_k).repeat_interleave(samples, dim=0)
+        self.values[rows, :, :kept] = value.gather(2, gather_v).repeat_interleave(samples, dim=0)
         slot_pos = positions[:, None, :].expand(-1, kv_heads, -1).gather(-1, columns).masked_fill(~keep, -1)
         self.positions[rows, :, :kept] = slot_pos.repeat_interleave(samples, dim=0)
         if self.cache.accumulates:
@@ -208,35 +224,45 @@ class BudgetedLayer(CacheLayerMixin):
         self.evict_steps[rows, :, :width] = by_logical.repeat_interleave(samples, dim=0)
 
     def attend_decode(
-        self, query: torch.Tensor, scaling: float, sliding_window: int | None, features: AttentionFeatures
+        self,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        sliding_window: int | None,
+        features: AttentionFeatures,
     ) -> torch.Tensor:
-        """One decode query over the slots, then at most one eviction per (sequence, KV head).
+        """One decode query over the slots, then at most one eviction per (sequence, cache head).
 
-        Softcap and sinks (``features``) apply as in the model's eager attention; H2O accumulates the resulting
-        probabilities (without the sink's share). Returns ``[B, 1, H_q, D]``.
+        ``key`` / ``value`` (``[B, H_k, C, D_k]`` / ``[B, H_k, C, D_v]``) are the slots as the attention module
+        passes them: the buffers themselves, or for MLA the one latent head expanded to ``H_k`` heads, each of the
+        ``H_k / H_cache`` heads of a cache head reading its slots. Softcap and sinks (``features``) apply as in the
+        model's eager attention; H2O accumulates the resulting probabilities (without the sink's share) per cache
+        head. Returns ``[B, 1, H_q, D_v]``.
         """
         rows, q_heads, _, dim = query.shape
-        kv_heads = self.keys.shape[1]
+        key_heads, cache_heads = key.shape[1], self.positions.shape[1]
         dtype = _softmax_dtype(query.dtype)
         step = self.cache.decode_step(self.seen)
-        grouped = query.reshape(rows, kv_heads, q_heads // kv_heads, dim)  # [B, Hkv, G, D]
-        scores = features.cap(torch.matmul(grouped, self.keys.transpose(-1, -2)).to(dtype) * scaling)  # [B, Hkv, G, C]
-        visible = self.positions >= 0  # [B, Hkv, C]
+        grouped = query.reshape(rows, key_heads, q_heads // key_heads, dim)  # [B, Hk, G, D]
+        scores = features.cap(torch.matmul(grouped, key.transpose(-1, -2)).to(dtype) * scaling)  # [B, Hk, G, C]
+        scores = scores.view(rows, cache_heads, q_heads // cache_heads, -1)  # [B, Hc, Hq / Hc, C]
+        visible = self.positions >= 0  # [B, Hc, C]
         if sliding_window is not None:
             visible &= (step.newest[:, None, None] - self.positions) < sliding_window
         scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
-        sinks = None if features.sinks is None else features.sinks.to(dtype).view(1, kv_heads, q_heads // kv_heads, 1)
-        probs = normalise(scores, sinks)  # [B, Hkv, G, C]
-        out = torch.matmul(probs.to(self.values.dtype), self.values)  # [B, Hkv, G, D]
+        sinks = None if features.sinks is None else features.sinks.to(dtype).view(1, cache_heads, -1, 1)
+        probs = normalise(scores, sinks)  # [B, Hc, Hq / Hc, C]
+        out = torch.matmul(probs.view(grouped.shape[:3] + (-1,)).to(value.dtype), value)  # [B, Hk, G, Dv]
         self.seen += 1
         compressor = self.cache.compressor
         if self.cache.accumulates:
             self.accumulated += probs.sum(dim=2)
         if step.over is None:  # no row is over budget this step: the key stays, the next goes after it
-            self.free_slot = step.written[:, None, None].expand(-1, kv_heads, 1)
+            self.free_slot = step.written[:, None, None].expand(-1, cache_heads, 1)
         else:
             self._evict(compressor, step)
-        return out.reshape(rows, 1, q_heads, dim)
+        return out.reshape(rows, 1, q_heads, value.shape[-1])
 
     def _evict(self, compressor: Compressor, step: _DecodeStep) -> None:
         state = DecodeState(self.positions, self.accumulated, step.newest, self.cache.generator)

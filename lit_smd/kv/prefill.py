@@ -43,7 +43,7 @@ class PromptAttention(NamedTuple):
     """Results of `blockwise_attention`; fields not asked for are None.
 
     Attributes:
-        output: ``[B, R, H_q, D]`` attention output of the query rows ``[first_row, P)``, in the query's dtype.
+        output: ``[B, R, H_q, D_v]`` attention output of the query rows ``[first_row, P)``, in the query's dtype.
         window: ``[B, H_kv, G, W, P]`` softmax probabilities of the last ``W`` prompt queries (float32/64).
         column_sums: ``[B, H_kv, P]`` probability each key received, summed over the real query rows
             ``[first_row, P)`` and the ``G`` query heads of its group (float32/64).
@@ -75,7 +75,7 @@ def blockwise_attention(
     Args:
         query: ``[B, H_q, P, D]`` post-RoPE queries.
         key: ``[B, H_kv, P, D]`` post-RoPE keys (``H_q`` a multiple of ``H_kv``; query head ``q`` reads ``q // G``).
-        value: ``[B, H_kv, P, D]``, or None when no output is needed.
+        value: ``[B, H_kv, P, D_v]`` (``D_v`` may differ from ``D``, as in MLA), or None when no output is needed.
         scaling: Softmax scaling.
         pad_left: ``[B]`` left pads of each row.
         sliding_window: The layer's sliding window, or None.
@@ -101,8 +101,9 @@ def blockwise_attention(
     q = (query[:, :, first_row:].to(dtype) * scaling).view(batch, kv_heads, group, rows, dim)
     q = q.transpose(2, 3).reshape(heads, rows * group, dim)  # strip rows ordered (query, head of the group)
     k = key.to(dtype).reshape(heads, width, dim)
-    v = None if value is None else value.to(dtype).reshape(heads, width, dim)
-    out = None if v is None else q.new_zeros(heads, rows * group, dim)
+    value_dim = dim if value is None else value.shape[-1]
+    v = None if value is None else value.to(dtype).reshape(heads, width, value_dim)
+    out = None if v is None else q.new_zeros(heads, rows * group, value_dim)
     sums = q.new_zeros(heads, 1, width) if column_sums else None
     win = q.new_zeros(heads, window_rows, group, width) if window_rows else None
     win_start = width - window_rows
@@ -157,7 +158,8 @@ def blockwise_attention(
     pad_rows = columns[None, first_row:] < pad_left[:, None]  # [B, R]: they saw only themselves
     output = window = None
     if out is not None:
-        output = out.view(batch, kv_heads, rows, group, dim).permute(0, 2, 1, 3, 4).reshape(batch, rows, q_heads, dim)
+        output = out.view(batch, kv_heads, rows, group, value_dim).permute(0, 2, 1, 3, 4)
+        output = output.reshape(batch, rows, q_heads, value_dim)
         output = output.masked_fill(pad_rows[:, :, None, None], 0.0).to(query.dtype)
     if win is not None:
         window = win.view(batch, kv_heads, window_rows, group, width).transpose(2, 3)
@@ -176,7 +178,7 @@ def causal_prompt_attention(
     sliding_window: int | None,
     features: AttentionFeatures = PLAIN,
 ) -> torch.Tensor:
-    """Attention output only, ``[B, P, H_q, D]``: SDPA where a causal kernel applies, else `blockwise_attention`
+    """Attention output only, ``[B, P, H_q, D_v]``: SDPA where a causal kernel applies, else `blockwise_attention`
     (sliding windows, softcap, sinks)."""
     width = query.shape[2]
     if (sliding_window is not None and sliding_window < width) or not features.plain:
@@ -184,7 +186,7 @@ def causal_prompt_attention(
     if not bool(pad_left.any()):
         out = F.scaled_dot_product_attention(query, key, value, is_causal=True, scale=scaling, enable_gqa=True)
         return out.transpose(1, 2)
-    out = query.new_zeros(query.shape[0], width, query.shape[1], query.shape[3])
+    out = query.new_zeros(query.shape[0], width, query.shape[1], value.shape[3])
     for row, pads in enumerate(pad_left.tolist()):  # one causal call per prompt on its unpadded slice
         part = F.scaled_dot_product_attention(
             query[row : row + 1, :, pads:], key[row : row + 1, :, pads:], value[row : row + 1, :, pads:],
@@ -204,13 +206,16 @@ class PrefillContext:
     Attributes:
         query: ``[B, H_q, P, D]`` post-RoPE queries of the prompt batch (left-padded).
         key: ``[B, H_kv, P, D]`` post-RoPE keys.
-        value: ``[B, H_kv, P, D]`` values.
+        value: ``[B, H_kv, P, D_v]`` values.
         scaling: Softmax scaling of the attention module.
         positions: ``[B, P]`` logical positions of the columns (``-1`` for pads).
         newest: ``[B]`` logical position of each sequence's last prompt token.
         sliding_window: The layer's sliding window, or None.
         generator: Generator for randomised policies (the rollout's; None = torch's default generator).
         features: The layer's softcap and attention sinks: every probability computed here is the model's.
+        cache_heads: Heads the cache keeps and evicts by (None = ``H_kv``). MLA caches one latent head that the
+            model expands to ``H_kv`` key heads: the statistics of the ``H_kv / cache_heads`` key heads of a cache
+            head are then pooled as a GQA group's query heads are (SnapKV's mean, H2O's sum).
     """
 
     query: torch.Tensor
@@ -222,12 +227,21 @@ class PrefillContext:
     sliding_window: int | None
     generator: torch.Generator | None
     features: AttentionFeatures = field(default_factory=AttentionFeatures)
+    cache_heads: int | None = None
     _window: torch.Tensor | None = field(default=None, init=False, repr=False)
     _column_sums: torch.Tensor | None = field(default=None, init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        key_heads = self.key.shape[1]
+        if self.cache_heads is None:
+            self.cache_heads = key_heads
+        elif self.cache_heads < 1 or key_heads % self.cache_heads:
+            raise ValueError(f"cache_heads must divide the {key_heads} key heads, got {self.cache_heads}")
+
     @property
     def num_kv_heads(self) -> int:
-        return self.key.shape[1]
+        """Heads the compressor scores and the cache evicts by (`cache_heads`)."""
+        return self.cache_heads
 
     @property
     def pad_left(self) -> torch.Tensor:
@@ -252,19 +266,25 @@ class PrefillContext:
         return result.output
 
     def window_attention(self, window: int) -> torch.Tensor:
-        """Attention of the last ``window`` prompt queries: ``[B, H_kv, G, window, P]`` (float32/64)."""
+        """Attention of the last ``window`` prompt queries: ``[B, H_c, H_q / H_c, window, P]`` (float32/64), by
+        cache head ``H_c`` (`num_kv_heads`)."""
         if self._window is None or self._window.shape[3] < window:
             self._window = blockwise_attention(
                 self.query, self.key, None, self.scaling, self.pad_left, self.sliding_window,
                 first_row=self.query.shape[2] - window, window_rows=window, features=self.features,
             ).window
-        return self._window[:, :, :, self._window.shape[3] - window :]
+        probs = self._window[:, :, :, self._window.shape[3] - window :]  # [B, H_kv, G, window, P]
+        return probs.reshape(probs.shape[0], self.cache_heads, -1, *probs.shape[3:])
 
     def attention_column_sums(self) -> torch.Tensor:
-        """Attention each prompt key received, summed over real prompt queries and the GQA group: ``[B, H_kv, P]``."""
+        """Attention each prompt key received, summed over real prompt queries and the query heads of each cache
+        head: ``[B, H_c, P]``."""
         if self._column_sums is None:
             self._column_sums = blockwise_attention(
                 self.query, self.key, None, self.scaling, self.pad_left, self.sliding_window, column_sums=True,
                 features=self.features,
             ).column_sums
-        return self._column_sums
+        sums = self._column_sums  # [B, H_kv, P]
+        if self.cache_heads == sums.shape[1]:
+            return sums
+        return sums.view(sums.shape[0], self.cache_heads, -1, sums.shape[-1]).sum(dim=2)

@@ -1,0 +1,178 @@
+"""GPU check, learner: one SMD GRPO learner step at long completions: peak memory, time and compilations.
+
+The model of `gpu_decode` (Qwen3-1.7B shape, random weights, bfloat16). One prompt of ``--prompt`` tokens with
+``--group`` completions of each length in ``--lengths`` (default 8192 and 16384 tokens), a synthetic SnapKV-then-H2O
+shadow mask (every key of every layer, row and KV head lives an exponentially distributed number of steps of mean
+``--budget`` x the sequence length, at least ``--window``; prompt keys live at least to the end of the prompt; 4
+sinks are never evicted), rewards 0/1. Per length, two learner steps as a training step runs them
+(`GRPOModule.make_experience`, ``training_step`` in SMD mode: the shadow-masked pass, the no-grad dense teacher and the
+KL, then ``backward``), on the learner's default path: shared-prefix layout, FlexAttention on CUDA (``"auto"``), SDPA
+on the CPU. Per step: wall time (CUDA synchronised), the rise of ``max_memory_allocated`` over the memory allocated
+before it (CUDA), and compilations: TorchDynamo's count of compiled graphs (``torch._dynamo.utils.counters``), and
+lit_smd's own counter when `lit_smd.kv.flex` has one (a public callable with "compil" in its name returning an int),
+else 'n/a'. The first step of a length includes its compilations, the second shows whether they are reused.
+
+``--toy``: tiny Qwen3, float32, prompt 16, completions 32 and 64 (seconds on the CPU).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import sys
+import time
+import warnings
+from typing import Any
+
+import _common as C
+import torch
+from gpu_decode import QWEN3_1_7B, TOY, build
+
+import lit_smd.kv.flex as flex
+from lit_smd.datamodules import ScoredRollout
+from lit_smd.kv.shadow import NEVER, ShadowMask
+from lit_smd.modules import GRPOModule
+from lit_smd.rollout import Rollout
+
+
+def lit_smd_compile_counter():
+    """lit_smd's compilation counter in `lit_smd.kv.flex`, if it has one (else None)."""
+    for name in sorted(dir(flex)):
+        value = getattr(flex, name)
+        if "compil" in name.lower() and not name.startswith("_") and callable(value):
+            try:
+                count = value()
+            except TypeError:
+                continue
+            if isinstance(count, int):
+                return value
+    return None
+
+
+def dynamo_graphs() -> int:
+    """Graphs TorchDynamo has compiled in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
+def synthetic_rollout(config, prompt: int, new: int, group: int, args, device) -> Rollout:
+    """``group`` completions of ``new`` tokens of one ``prompt``-token prompt, with a synthetic shadow mask."""
+    generator = torch.Generator().manual_seed(new)
+    length = prompt + new
+    prompt_ids = torch.randint(7, config.vocab_size, (1, prompt), generator=generator).expand(group, -1)
+    completion = torch.randint(7, config.vocab_size, (group, new), generator=generator)
+    shape = (config.num_hidden_layers, group, config.num_key_value_heads, length)
+    uniform = torch.rand(shape, generator=generator).clamp(min=1e-12)
+    lifetime = (-args.budget * length * uniform.log()).long().clamp(min=args.window)
+    steps = torch.maximum(torch.arange(length) + lifetime, torch.tensor(prompt))
+    steps[..., :4] = NEVER
+    steps = torch.where(steps >= length, torch.tensor(NEVER), steps).to(torch.int32)
+    return Rollout(
+        prompt_ids=prompt_ids.contiguous().to(device),
+        prompt_mask=torch.ones(group, prompt, dtype=torch.bool, device=device),
+        completion_ids=completion.to(device),
+        completion_mask=torch.ones(group, new, dtype=torch.bool, device=device),
+        logprobs=torch.zeros(group, new, device=device),
+        finish_reason=["length"] * group,
+        shadow_mask=ShadowMask(steps.to(device)),
+    )
+
+
+def step(module: GRPOModule, rollout: Rollout, group: int, device: torch.device, counter) -> dict[str, Any]:
+    """One learner step: time, peak memory rise (CUDA) and compilations during it."""
+    graphs, own = dynamo_graphs(), None if counter is None else counter()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+        base = torch.cuda.memory_allocated(device)
+    rewards = (torch.arange(group) % 2 == 0).float()
+    C.synchronize(device)
+    start = time.perf_counter()
+    experience = module.make_experience(ScoredRollout(rollout, rewards, num_generations=group))
+    loss = module.training_step(experience, 0)
+    loss.backward()
+    C.synchronize(device)
+    row = {"time_s": time.perf_counter() - start, "loss": float(loss.detach())}
+    row["dynamo_graphs"] = dynamo_graphs() - graphs
+    row["lit_smd_compilations"] = None if counter is None else counter() - own
+    if device.type == "cuda":
+        row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
+    module.policy.zero_grad(set_to_none=True)
+    return row
+
+
+def _table(results: list[dict[str, Any]]) -> str:
+    lines = [[r["prompt"], r["new"], r["group"], r["step"], C.fmt(r.get("time_s"), ".2f"), C.mib(r.get("peak_bytes")),
+              r.get("dynamo_graphs", "n/a"), C.fmt(r.get("lit_smd_compilations"), "d"), r["status"]]
+             for r in results]  # fmt: skip
+    headers = ["prompt", "completion", "G", "step", "time s", "peak MiB", "dynamo graphs compiled",
+               "lit_smd compilations", "status"]  # fmt: skip
+    return C.markdown_table(headers, lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--toy", action="store_true")
+    parser.add_argument("--prompt", type=int, default=None, help="default 1024 (toy 16)")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None, help="completions; default 8192 16384")
+    parser.add_argument("--group", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=2, help="learner steps per length")
+    parser.add_argument("--budget", type=float, default=0.5)
+    parser.add_argument("--window", type=int, default=None, help="default 32 (toy 4)")
+    C.add_output_flags(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    device = C.resolve_device(args.device)
+    toy = args.toy
+    args.prompt, args.window = args.prompt or (16 if toy else 1024), args.window or (4 if toy else 32)
+    args.lengths = args.lengths or ([32, 64] if toy else [8192, 16384])
+    dtype = torch.float32 if toy else torch.bfloat16
+    policy = build(TOY if toy else QWEN3_1_7B, dtype, device, args.prompt + max(args.lengths))
+    policy.config.use_cache = False
+    compressor = C.make_compressor("prefill_then_decode", args.budget, window=args.window, sinks=4)
+    module = GRPOModule(policy, mode="smd", compressor=compressor)
+    counter = lit_smd_compile_counter()
+    warnings.filterwarnings("ignore", message=".*self.log.*")  # training_step outside a Trainer: nothing to log to
+    env = C.environment(device)
+    counter_name = None if counter is None else counter.__name__
+    payload: dict[str, Any] = {"benchmark": "gpu_learner", "environment": env, "config": vars(args),
+                               "lit_smd_counter": counter_name, "results": []}  # fmt: skip
+    print(f"# Learner\n\n{C.describe(env)}; {'toy' if toy else 'Qwen3-1.7B shape'}, {dtype}; lit_smd compile counter: "
+          f"{payload['lit_smd_counter'] or 'n/a'}", flush=True)  # fmt: skip
+    try:
+        for new in args.lengths:
+            rollout = synthetic_rollout(policy.config, args.prompt, new, args.group, args, device)
+            for index in range(1, args.steps + 1):
+                row: dict[str, Any] = {"prompt": args.prompt, "new": new, "group": args.group, "step": index}
+                try:
+                    row.update(step(module, rollout, args.group, device, counter), status="ok")
+                except torch.OutOfMemoryError as error:
+                    row["status"] = f"out of memory: {str(error).splitlines()[0][:80]}"
+                    policy.zero_grad(set_to_none=True)
+                payload["results"].append(row)
+                C.write_json(args.json, payload)
+                print(f"  {args.prompt}+{args.group}x{new} step {index}: {C.fmt(row.get('time_s'), '.2f')} s "
+                      f"({row['status']})", file=sys.stderr, flush=True)  # fmt: skip
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                if row["status"] != "ok":
+                    break
+    except KeyboardInterrupt:
+        C.interrupted(payload, args.json)
+    text = _table(payload["results"]) + (
+        "\n\nOne SMD learner step = make_experience + training_step (masked pass, dense teacher, KL) + backward, "
+        "shared-prefix layout, backend auto (FlexAttention on CUDA). peak MiB = max_memory_allocated rise over the "
+        "step (CUDA). dynamo graphs = graphs TorchDynamo compiled during the step."
+    )
+    print(text)
+    C.write_markdown(args.markdown, "# Learner\n\n" + C.describe(env) + "\n\n" + text)
+    return payload
+
+
+if __name__ == "__main__":
+    main()
