@@ -47,7 +47,7 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from lit_smd.kv.features import PLAIN, AttentionFeatures, attention, softmax_dtype
-from lit_smd.kv.flex import Backend, flex_feature_attention, use_flex
+from lit_smd.kv.flex import Backend, flex_feature_attention, packed_block_mask, use_flex
 
 __all__ = ["PackedPlan"]
 
@@ -112,7 +112,7 @@ class PackedPlan:
         if self.capture_prompt_kv:
             self.prompt_kv[layer_idx] = (key[:, :, :width].detach(), value[:, :, :width].detach())
         if use_flex(self.backend, query.device, dropout):
-            block_mask = self._block_mask(layer_idx, query.shape[1], key.shape[1], sliding_window)
+            block_mask = self._block_mask(layer_idx, query.shape[1], sliding_window)
             return flex_feature_attention(query, key, value, block_mask, scaling, features).transpose(1, 2).contiguous()
         windowed = sliding_window is not None and sliding_window < width
         prompt_mask = self._prompt_window_mask(sliding_window, query.device) if windowed else None  # None = causal
@@ -217,35 +217,16 @@ class PackedPlan:
             self._masks[cache_key] = mask
         return mask
 
-    def _block_mask(self, layer_idx: int, q_heads: int, kv_heads: int, sliding_window: int | None):
-        """FlexAttention BlockMask of the whole packed row for one layer (one per plan for the dense view)."""
-        cache_key = ("block", sliding_window) if self.steps is None else ("block", layer_idx)
-        if cache_key not in self._masks:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            lengths, width, new = self.prompt_lengths, self.prompt_width, self.slot_width
-            steps = None if self.steps is None else self.steps[layer_idx]  # [R, Hkv, S, W + N]
-            group = q_heads // kv_heads
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                q_prompt, kv_prompt = q_idx < width, kv_idx < width
-                q_slot, kv_slot = (q_idx - width) // new, (kv_idx - width) // new
-                q_t, kv_t = (q_idx - width) % new, (kv_idx - width) % new
-                q_pos = torch.where(q_prompt, q_idx, lengths[b] + q_t)
-                kv_pos = torch.where(kv_prompt, kv_idx, lengths[b] + kv_t)
-                prompt_key = kv_prompt & (kv_idx < lengths[b]) & (q_prompt.logical_not() | (kv_idx <= q_idx))
-                own_key = q_prompt.logical_not() & kv_prompt.logical_not() & (q_slot == kv_slot) & (kv_t <= q_t)
-                visible = prompt_key | own_key
-                if sliding_window is not None:
-                    visible = visible & ((q_pos - kv_pos) < sliding_window)
-                if steps is not None:
-                    column = torch.where(kv_prompt, kv_idx, width + kv_t)
-                    slot = q_slot.clamp(min=0)
-                    visible = visible & (q_prompt | (q_pos < steps[b, h // group, slot, column]))
-                return visible | (q_idx == kv_idx)
-
-            self._masks[cache_key] = create_block_mask(
-                mask_mod, B=lengths.shape[0], H=1 if steps is None else q_heads, Q_LEN=self.width, KV_LEN=self.width,
-                device=lengths.device,
-            )  # fmt: skip
-        return self._masks[cache_key]
+    def _block_mask(self, layer_idx: int, q_heads: int, sliding_window: int | None):
+        """FlexAttention BlockMask of the whole packed row for one layer (`lit_smd.kv.flex.packed_block_mask`): the
+        shadow view's is built per call and not kept; the dense view's once per plan and window."""
+        steps = None if self.steps is None else self.steps[layer_idx]  # [R, Hkv, S, W + N]
+        cache_key = ("block", sliding_window)
+        if steps is None and cache_key in self._masks:
+            return self._masks[cache_key]
+        block_mask = packed_block_mask(
+            self.prompt_lengths, self.prompt_width, self.num_slots, self.slot_width, steps, q_heads, sliding_window
+        )
+        if steps is None:
+            self._masks[cache_key] = block_mask
+        return block_mask
