@@ -238,8 +238,11 @@ def test_grpo_module_rejects_an_unknown_layout(tiny_model):
 
 @pytest.mark.parametrize("window", [None, 9])
 def test_flex_block_mask_matches_the_sdpa_masks(model64, window):
-    """CUDA's FlexAttention mask of a packed row: slot rows equal the SDPA slot mask, prompt rows are causal."""
+    """CUDA's FlexAttention mask of a packed row: slot rows equal the SDPA slot mask, prompt rows are causal, the
+    bucket's padding (rows and columns) sees nothing. The mask_mod is evaluated uncompiled over the bucketed grid."""
     from torch.nn.attention.flex_attention import create_mask
+
+    from lit_smd.kv.flex import packed_mask_mod
 
     model = model64("qwen3")
     rollout = _rollout(model)
@@ -251,8 +254,13 @@ def test_flex_block_mask_matches_the_sdpa_masks(model64, window):
     causal = (positions[None, :] <= positions[:, None])[None] & real_keys
     causal |= torch.eye(width, dtype=torch.bool)
     for layer in range(model.config.num_hidden_layers):
-        block_mask = plan._block_mask(layer, heads, kv_heads, window)
-        dense = create_mask(block_mask.mask_mod, rows, heads, plan.width, plan.width, device="cpu")  # [R, Hq, T, T]
+        mask_mod, padded_rows, size = packed_mask_mod(
+            plan.prompt_lengths, width, plan.num_slots, plan.slot_width, plan.steps[layer], window, heads // kv_heads
+        )
+        grid = create_mask(mask_mod, padded_rows, heads, size, size, device="cpu")  # [rows, Hq, size, size]
+        assert size >= plan.width and padded_rows >= rows
+        assert not grid[rows:].any() and not grid[:, :, plan.width :].any() and not grid[..., plan.width :].any()
+        dense = grid[:rows, :, : plan.width, : plan.width]  # [R, Hq, T, T]
         slots = plan._slot_mask(layer, window, torch.device("cpu"))  # [R*S, Hkv, N, W + N]
         slots = slots.unflatten(0, (rows, plan.num_slots)).repeat_interleave(heads // kv_heads, dim=2)
         for slot in range(plan.num_slots):
