@@ -6,9 +6,6 @@
 - `tiny_model`: the default tiny model (Qwen3, float32).
 - `peaky_model_factory` / `peaky_model`: vocab 256 and `initializer_range=0.35`, so attention is peaky and evicting
   keys moves the logits a lot (KV-eviction exactness tests); float64 by default.
-
-`MLA_LEARNER_GAPS` marks the tests that multi-head latent attention (DeepSeek-V2 / V3) does not pass yet as strict
-xfails, each with its cause: a fix makes them pass, and strictness makes that fail until its entry is removed.
 """
 
 import os
@@ -26,37 +23,6 @@ from transformers import PreTrainedModel, PreTrainedTokenizerFast
 from lit_smd.tiny import TINY_FAMILIES, ModelFamily, build_tiny_model, build_tiny_tokenizer
 
 ModelFactory = Callable[..., PreTrainedModel]
-
-
-_PACKED_VALUE_DIM = (
-    "lit_smd/kv/packed.py (PackedPlan._attend_slots, slot_attention) sizes values by the query's head size; MLA "
-    "values are smaller than its keys (16 vs 24)"
-)
-MLA_LEARNER_GAPS: dict[str, tuple[type[Exception], str]] = {
-    "test_replay_is_exact_under_every_compressor_and_the_dense_view_differs": (RuntimeError, _PACKED_VALUE_DIM),
-    "test_one_grpo_step": (RuntimeError, _PACKED_VALUE_DIM),
-    "test_one_distillation_step": (RuntimeError, _PACKED_VALUE_DIM),
-    "test_sampled_distillation_scores_the_teacher_with_its_output_head": (RuntimeError, _PACKED_VALUE_DIM),
-    "test_full_distillation_kl_matches_transformers_eager": (RuntimeError, _PACKED_VALUE_DIM),
-    "test_shadow_replay_with_adapters_is_exact_in_float64": (RuntimeError, _PACKED_VALUE_DIM),
-    "test_shared_prefix_equals_per_row_in_float64": (
-        AssertionError, "asserts GQA (fewer key/value than query heads); MLA has one per query head",
-    ),
-    "test_dense_teacher_reuses_the_prompt_and_matches_a_dense_pass": (
-        IndexError, "edits the shadow mask's KV head 1; MLA's mask has one head (the latent)",
-    ),
-}  # fmt: skip
-"""Test name -> (the exception it raises, why) for the MLA families (DeepSeek-V2 / V3)."""
-
-
-def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    """Mark the MLA cases of the tests in `MLA_LEARNER_GAPS` as strict xfails."""
-    for item in items:
-        params = getattr(getattr(item, "callspec", None), "params", {})
-        model_type = params.get("family", params.get("model_type"))
-        gap = MLA_LEARNER_GAPS.get(getattr(item, "originalname", ""))
-        if gap is not None and model_type in ("deepseek_v2", "deepseek_v3"):
-            item.add_marker(pytest.mark.xfail(raises=gap[0], reason=gap[1], strict=True))
 
 
 @pytest.fixture(autouse=True)

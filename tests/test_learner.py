@@ -24,6 +24,7 @@ from lit_smd.learner import dense_hidden_states, learner_hidden_states, shareabl
 from lit_smd.losses.sparse_rl import SparseRLConfig
 from lit_smd.modules.grpo import GRPOModule
 from lit_smd.rollout import Rollout, generate
+from lit_smd.tiny import MLA_FAMILIES
 
 GROUP, NEW = 3, 12
 
@@ -89,7 +90,8 @@ def _assert_same(model, rollout, shadow, **kwargs):
 @pytest.mark.parametrize("shadow", [False, True], ids=["dense", "shadow"])
 def test_shared_prefix_equals_per_row_in_float64(model64, family, shadow):
     model = model64(family)
-    assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA
+    if family not in MLA_FAMILIES:  # MLA: one latent per token, expanded into as many key heads as query heads
+        assert model.config.num_key_value_heads < model.config.num_attention_heads  # GQA
     rollout = _rollout(model)
     assert int((rollout.shadow_mask.evict_steps < NEVER).sum()) > 0
     shareable, group = shareable_groups(rollout, shadow=shadow)
@@ -133,7 +135,7 @@ def test_minibatch_slices_and_dense_rollouts(model64):
 def test_dense_teacher_reuses_the_prompt_and_matches_a_dense_pass(model64, family):
     model = model64(family)
     rollout = _rollout(model)
-    rollout.shadow_mask.evict_steps[1, 4, 1, 0] = 5  # one row falls back to the per-row passes
+    rollout.shadow_mask.evict_steps[1, 4, -1, 0] = 5  # one row falls back to the per-row passes
     learner = learner_hidden_states(model, rollout, shadow=True, keep_prompt_kv=True)
     assert learner._packing.plan.prompt_kv, "the masked pass kept no prompt keys"
     teacher = dense_hidden_states(model, rollout, learner)
@@ -273,8 +275,11 @@ def _naive_slot_visibility(plan, layer: int, window: int | None) -> torch.Tensor
 
 @pytest.mark.parametrize("window", [None, 9])
 def test_flex_block_mask_matches_the_contract(model64, window):
-    """CUDA's FlexAttention mask of a packed row: slot rows as the shadow-mask contract says, prompt rows causal."""
+    """CUDA's FlexAttention mask of a packed row: slot rows as the shadow-mask contract says, prompt rows causal, the
+    bucket's padding (rows and columns) sees nothing. The mask_mod is evaluated uncompiled over the bucketed grid."""
     from torch.nn.attention.flex_attention import create_mask
+
+    from lit_smd.kv.flex import packed_mask_mod
 
     model = model64("qwen3")
     rollout = _rollout(model)
@@ -286,8 +291,13 @@ def test_flex_block_mask_matches_the_contract(model64, window):
     causal = (positions[None, :] <= positions[:, None])[None] & real_keys
     causal |= torch.eye(width, dtype=torch.bool)
     for layer in range(model.config.num_hidden_layers):
-        block_mask = plan._block_mask(layer, heads, kv_heads, window)
-        dense = create_mask(block_mask.mask_mod, rows, heads, plan.width, plan.width, device="cpu")  # [R, Hq, T, T]
+        mask_mod, padded_rows, size = packed_mask_mod(
+            plan.prompt_lengths, width, plan.num_slots, plan.slot_width, plan.steps[layer], window, heads // kv_heads
+        )
+        grid = create_mask(mask_mod, padded_rows, heads, size, size, device="cpu")  # [rows, Hq, size, size]
+        assert size >= plan.width and padded_rows >= rows
+        assert not grid[rows:].any() and not grid[:, :, plan.width :].any() and not grid[..., plan.width :].any()
+        dense = grid[:rows, :, : plan.width, : plan.width]  # [R, Hq, T, T]
         slots = _naive_slot_visibility(plan, layer, window).repeat_interleave(heads // kv_heads, dim=2)
         for slot in range(plan.num_slots):
             own = torch.zeros(plan.width, dtype=torch.bool)

@@ -36,6 +36,7 @@ __all__ = [
     "alive_index",
     "block_attention",
     "causal_rows_attention",
+    "check_record_heads",
     "fold_kv_heads",
     "fused_blocks",
     "gather_keys",
@@ -213,6 +214,23 @@ def gather_keys(keys: Tensor, index: Tensor) -> Tensor:
     return keys.gather(2, index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1]))
 
 
+def check_record_heads(record_heads: int, kv_heads: int) -> int:
+    """The KV heads of a shadow-mask record, checked against the layer's key heads.
+
+    A record holds one head per KV head, or one for all of them (multi-head latent attention: the cache keeps one
+    latent per token, expanded into the key heads after it, so one eviction serves every head).
+
+    Raises:
+        ValueError: ``record_heads`` is neither ``kv_heads`` nor 1.
+    """
+    if record_heads not in (1, kv_heads):
+        raise ValueError(
+            f"the shadow mask records {record_heads} KV heads but the layer has {kv_heads} key heads; a record "
+            "from a rollout of this model has one per KV head, or one for a latent-attention (MLA) model"
+        )
+    return record_heads
+
+
 def causal_rows_attention(
     query: Tensor,
     key: Tensor,
@@ -253,13 +271,13 @@ def causal_rows_attention(
         return attention(query, key, value, None, scaling, features, dropout=dropout)
     device = query.device
     lengths = lengths.to(device)
-    if steps is not None and kv_heads > 1:
-        query, sinks = fold_kv_heads(query, features, kv_heads)  # [B*Hkv, G, T, D]
-        key, value = key.reshape(batch * kv_heads, 1, width, -1), value.reshape(batch * kv_heads, 1, width, -1)
-        lengths = lengths.repeat_interleave(kv_heads)  # [B*Hkv]
-        steps = steps.reshape(batch * kv_heads, 1, -1)  # [B*Hkv, 1, T]
-    else:
-        sinks = None
+    sinks = None
+    if steps is not None and steps.shape[1] > 1:  # one mask row per recorded KV head: the heads into the batch
+        record = check_record_heads(steps.shape[1], kv_heads)
+        query, sinks = fold_kv_heads(query, features, record)  # [B*Hkv, G, T, D]
+        key, value = key.reshape(batch * record, 1, width, -1), value.reshape(batch * record, 1, width, -1)
+        lengths = lengths.repeat_interleave(record)  # [B*Hkv]
+        steps = steps.reshape(batch * record, 1, -1)  # [B*Hkv, 1, T]
     mask_rows = query.shape[0]
     positions = torch.arange(width, device=device, dtype=torch.int32)  # [T]
     limit = torch.full((mask_rows, width), NEVER, dtype=torch.int32, device=device) if steps is None else steps[:, 0]

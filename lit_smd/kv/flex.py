@@ -1,34 +1,115 @@
-"""FlexAttention for the learner's masked passes: the kernel choice and one compiled call with softcap and sinks.
+"""FlexAttention for the learner's masked passes: block masks, bucketed shapes, a compilation count, the compiled call.
 
 Both attention plans (`lit_smd.kv.shadow.AttentionPlan`, per row; `lit_smd.kv.packed.PackedPlan`, shared prefixes)
-build a ``BlockMask`` per layer and run it through `flex_feature_attention` on CUDA. ``flex_attention`` is compiled
-once per process (``torch.compile``, static shapes) on first use; eager FlexAttention materialises the scores.
+run their masked passes here when the backend is FlexAttention (CUDA's default; ``backend="flex"`` forces it on the
+CPU, forward only: torch 2.13 has no FlexAttention backward on the CPU).
+
+* **Compiled, a bounded number of times.** ``flex_attention`` and ``create_block_mask`` are each compiled once per
+  shape (``torch.compile``, static shapes, ``fullgraph``). GRPO batches change width every step, so widths are
+  rounded up to `bucket` sizes (four per doubling, at most 25% more) and batch sizes to powers of two: the query, key
+  and value are padded, the output sliced, and the ``mask_mod`` hides the padding (padded queries see nothing:
+  FlexAttention returns zeros for them and skips their blocks). Everything else a ``mask_mod`` reads that varies
+  between batches (lengths, widths, eviction steps) is a tensor of bucketed shape, so a run compiles once per bucket
+  and kind of pass, not once per batch. Static shapes with buckets rather than ``dynamic=True``: on 2 CPU cores
+  ``dynamic=True`` compiled twice for 8 widths (buckets: 6), but each compile took about 3x as long, automatic
+  dynamic shapes (``dynamic=None``) crashed in the CPU code generation after the first width change, and dynamic
+  FlexAttention has had sequence lengths specialised by its block-mask checks (pytorch/pytorch#189952): buckets bound
+  the count whatever the dynamic-shape machinery does.
+* **Never a silent eager fallback.** Eager FlexAttention materialises the scores. Past `RECOMPILE_LIMIT` compilations
+  of one function, the call raises `FlexRecompileLimitError` instead of falling back (``fullgraph=True`` turns
+  dynamo's limit into an error).
+* **Counted.** `flex_compilations` is the number of graphs compiled for these functions in this process (a backend
+  that counts, then hands the graph to inductor); `lit_smd.modules.GRPOModule` logs it as ``train/flex_compiles``.
+* **Block masks built compiled**, so the dense ``[B, H, T, T]`` mask is never materialised, and one layer at a time:
+  the plans keep no shadow-view block mask (autograd keeps each layer's for the backward, as it keeps the layer's
+  query, key and value); the dense view's, the same for every layer, is kept by its plan.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
+import torch.nn.functional as F
+from torch import Tensor
 
 from lit_smd.kv.features import AttentionFeatures
 
-__all__ = ["Backend", "flex_feature_attention", "use_flex"]
+__all__ = [
+    "RECOMPILE_LIMIT",
+    "Backend",
+    "FlexRecompileLimitError",
+    "bucket",
+    "flex_compilations",
+    "flex_feature_attention",
+    "packed_block_mask",
+    "packed_mask_mod",
+    "row_block_mask",
+    "row_mask_mod",
+    "use_flex",
+]
 
 Backend = Literal["auto", "sdpa", "flex"]
 """Masked attention kernel of a learner pass: ``"sdpa"`` (boolean mask, any device), ``"flex"`` (FlexAttention
 ``BlockMask``, CUDA) or ``"auto"`` (flex on CUDA, sdpa elsewhere)."""
 
-_compiled_flex = None
+RECOMPILE_LIMIT = 64
+"""Most graphs compiled per function (FlexAttention, block-mask builder) before a call raises: each kind of pass
+(per row or packed, dense or shadow view, with or without gradient, sliding window or not) times the width buckets
+a run visits."""
+
+MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
+
+_compilations = 0
+_compiled: dict[str, Callable] = {}
+_prompt_capacity = 0  # widest prompt-step table so far (packed shadow view): grows by doubling, never shrinks
 
 
-def _flex_attention():
-    global _compiled_flex
-    if _compiled_flex is None:
-        from torch.nn.attention.flex_attention import flex_attention
+class FlexRecompileLimitError(RuntimeError):
+    """FlexAttention (or its block-mask builder) would compile more than `RECOMPILE_LIMIT` times."""
 
-        _compiled_flex = torch.compile(flex_attention, dynamic=False)
-    return _compiled_flex
+
+def flex_compilations() -> int:
+    """Graphs compiled so far in this process for the learner's FlexAttention and its block masks (each a full
+    inductor compilation, forward and backward)."""
+    return _compilations
+
+
+def _counting_inductor(graph: torch.fx.GraphModule, example_inputs: list) -> Callable:
+    global _compilations
+    from torch._inductor.compile_fx import compile_fx
+
+    _compilations += 1
+    return compile_fx(graph, example_inputs)
+
+
+def _call_compiled(name: str, fn: Callable, *args, **kwargs):
+    """``fn`` compiled once per process (static shapes, whole graph, counted), called under `RECOMPILE_LIMIT`."""
+    if torch.compiler.is_compiling():  # inside the caller's own torch.compile: traced into its graph
+        return fn(*args, **kwargs)
+    if name not in _compiled:
+        _compiled[name] = torch.compile(fn, backend=_counting_inductor, dynamic=False, fullgraph=True)
+    try:
+        with torch._dynamo.config.patch(recompile_limit=RECOMPILE_LIMIT):
+            return _compiled[name](*args, **kwargs)
+    except torch._dynamo.exc.FailOnRecompileLimitHit as error:
+        raise FlexRecompileLimitError(
+            f"{name} reached lit_smd.kv.flex.RECOMPILE_LIMIT={RECOMPILE_LIMIT} compilations; refusing to run it eager "
+            "(eager FlexAttention materialises the scores). Raise the limit or use backend='sdpa'."
+        ) from error
+
+
+def bucket(size: int) -> int:
+    """The smallest ``m * 2**k >= size`` with ``m`` in 4..7, at least 128: four sizes per doubling, <= 25% padding."""
+    if size <= 128:
+        return 128
+    shift = size.bit_length() - 3
+    return -(-size >> shift) << shift
+
+
+def _batch_bucket(size: int) -> int:
+    return 1 << max(size - 1, 0).bit_length()
 
 
 def use_flex(backend: Backend, device: torch.device, dropout: float) -> bool:
@@ -43,19 +124,197 @@ def use_flex(backend: Backend, device: torch.device, dropout: float) -> bool:
     return flex
 
 
+# ------------------------------------------------------------------------------------------------------ block masks
+
+
+def _pad_to(tensor: Tensor, sizes: tuple[int, ...], value: int = 0) -> Tensor:
+    """``tensor`` right-padded with ``value`` to ``sizes`` (same number of dimensions, each at least as large)."""
+    pad = []
+    for have, want in zip(reversed(tensor.shape), reversed(sizes), strict=True):
+        pad += [0, want - have]
+    return F.pad(tensor, pad, value=value) if any(pad) else tensor
+
+
+def row_mask_mod(
+    lengths: Tensor, steps: Tensor | None, width: int, sliding_window: int | None, group: int
+) -> tuple[MaskMod, int, int]:
+    """The per-row plan's ``mask_mod`` over bucketed shapes (`AttentionPlan`'s visibility, padding hidden).
+
+    Query ``q`` of row ``b`` sees key ``kv`` iff ``kv <= q``, ``kv < lengths[b]``, ``q - kv < sliding_window`` and
+    ``q < steps[b, h // group, kv]`` (shadow view), or ``kv == q`` (a row's pad positions see themselves); the bucket's
+    padding (columns ``>= width``, rows ``>= B``) sees nothing.
+
+    Args:
+        lengths: ``[B]`` real tokens per row.
+        steps: ``[B, H_kv, >= width]`` the layer's eviction steps, or None for the dense view.
+        width: ``T``, columns of the pass.
+        sliding_window: The layer's window, or None.
+        group: Query heads per KV head (``h // group`` is the KV head of query head ``h``).
+
+    Returns:
+        ``(mask_mod, rows, size)``: the ``mask_mod`` and the bucketed batch and width it is defined over.
+    """
+    rows, size = _batch_bucket(lengths.shape[0]), bucket(width)
+    count, end = (torch.tensor(value, device=lengths.device) for value in (lengths.shape[0], width))
+    lengths = _pad_to(lengths, (rows,))
+    if steps is not None:
+        steps = _pad_to(steps[..., :width], (rows, steps.shape[1], size))  # [rows, Hkv, size]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        visible = (kv_idx <= q_idx) & (kv_idx < lengths[b])
+        if sliding_window is not None:
+            visible = visible & ((q_idx - kv_idx) < sliding_window)
+        if steps is not None:
+            visible = visible & (q_idx < steps[b, h // group, kv_idx])
+        return (visible | (q_idx == kv_idx)) & (q_idx < end) & (b < count)  # padding sees nothing
+
+    return mask_mod, rows, size
+
+
+def packed_mask_mod(
+    prompt_lengths: Tensor,
+    prompt_width: int,
+    num_slots: int,
+    slot_width: int,
+    steps: Tensor | None,
+    sliding_window: int | None,
+    group: int,
+) -> tuple[MaskMod, int, int]:
+    """The packed plan's ``mask_mod`` over bucketed shapes (`PackedPlan`'s layout, columns past ``W + S*N`` hidden).
+
+    A prompt query attends causally to the prompt's real keys; a slot query to the prompt's ``P`` real keys and its
+    own slot's earlier tokens, under the shadow view only to those its rollout row still saw (``pos < e``); every real
+    column sees itself, the bucket's padding nothing. The eviction steps are laid out for the kernel as two tables of
+    bucketed shape: the prompt keys' per slot ``[R, H_kv, S, capacity]`` (``capacity`` a power of two that only grows
+    in a process, so it stops changing after the widest prompt) and the slot keys' in packed-row columns
+    ``[R, H_kv, size]``.
+
+    Args:
+        prompt_lengths: ``[R]`` real prompt tokens per packed row.
+        prompt_width: ``W``.
+        num_slots: ``S``.
+        slot_width: ``N``.
+        steps: ``[R, H_kv, S, W + N]`` the layer's eviction steps (`PackedPlan.steps`), or None for the dense view.
+        sliding_window: The layer's window, or None.
+        group: Query heads per KV head.
+
+    Returns:
+        ``(mask_mod, rows, size)``: the ``mask_mod`` and the bucketed row count and width it is defined over.
+    """
+    global _prompt_capacity
+    device = prompt_lengths.device
+    total = prompt_width + num_slots * slot_width
+    rows, size = _batch_bucket(prompt_lengths.shape[0]), bucket(total)
+    lengths = _pad_to(prompt_lengths, (rows,))
+    count, width, new, end = (
+        torch.tensor(value, device=device) for value in (prompt_lengths.shape[0], prompt_width, slot_width, total)
+    )
+    prompt_steps = own_steps = None
+    if steps is not None:
+        _prompt_capacity = max(_prompt_capacity, _batch_bucket(prompt_width))
+        kv_heads = steps.shape[1]
+        prompt_steps = _pad_to(steps[..., :prompt_width], (rows, kv_heads, num_slots, _prompt_capacity))
+        own = steps[..., prompt_width:].flatten(2)  # [R, Hkv, S*N]: slot s's key t at packed column W + s*N + t
+        own_steps = _pad_to(F.pad(own, (prompt_width, 0)), (rows, kv_heads, size))  # [rows, Hkv, size]
+        capacity = prompt_steps.shape[-1]
+
+    def mask_mod(b, h, q_idx, kv_idx):
+        q_prompt, kv_prompt = q_idx < width, kv_idx < width
+        q_slot, kv_slot = (q_idx - width) // new, (kv_idx - width) // new
+        q_t, kv_t = (q_idx - width) % new, (kv_idx - width) % new
+        q_pos = torch.where(q_prompt, q_idx, lengths[b] + q_t)
+        kv_pos = torch.where(kv_prompt, kv_idx, lengths[b] + kv_t)
+        prompt_key = kv_prompt & (kv_idx < lengths[b]) & (q_prompt.logical_not() | (kv_idx <= q_idx))
+        own_key = q_prompt.logical_not() & kv_prompt.logical_not() & (q_slot == kv_slot) & (kv_t <= q_t)
+        visible = prompt_key | own_key
+        if sliding_window is not None:
+            visible = visible & ((q_pos - kv_pos) < sliding_window)
+        if prompt_steps is not None:
+            head = h // group
+            slot = q_slot.clamp(0, num_slots - 1)
+            evicted = torch.where(
+                kv_prompt, prompt_steps[b, head, slot, kv_idx.clamp(max=capacity - 1)], own_steps[b, head, kv_idx]
+            )
+            visible = visible & (q_prompt | (q_pos < evicted))
+        return (visible | (q_idx == kv_idx)) & (q_idx < end) & (b < count)  # padding sees nothing
+
+    return mask_mod, rows, size
+
+
+def _block_mask(mask_mod: MaskMod, rows: int, heads: int, size: int, device: torch.device):
+    """``create_block_mask`` compiled (the ``[rows, heads, size, size]`` mask is never materialised)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    return _call_compiled("create_block_mask", create_block_mask, mask_mod, rows, heads, size, size, device)
+
+
+def row_block_mask(
+    lengths: Tensor, steps: Tensor | None, num_heads: int, width: int, sliding_window: int | None
+):
+    """FlexAttention ``BlockMask`` of one layer of a per-row pass (`row_mask_mod`), over bucketed shapes.
+
+    Args:
+        lengths: ``[B]`` real tokens per row.
+        steps: ``[B, H_kv, >= width]`` the layer's eviction steps, or None for the dense view (one head: it
+            broadcasts).
+        num_heads: Query heads.
+        width: Columns of the pass.
+        sliding_window: The layer's window, or None.
+    """
+    group = 1 if steps is None else num_heads // steps.shape[1]
+    mask_mod, rows, size = row_mask_mod(lengths, steps, width, sliding_window, group)
+    return _block_mask(mask_mod, rows, 1 if steps is None else num_heads, size, lengths.device)
+
+
+def packed_block_mask(
+    prompt_lengths: Tensor,
+    prompt_width: int,
+    num_slots: int,
+    slot_width: int,
+    steps: Tensor | None,
+    num_heads: int,
+    sliding_window: int | None,
+):
+    """FlexAttention ``BlockMask`` of one layer of a packed pass (`packed_mask_mod`), over bucketed shapes.
+
+    Args: as `packed_mask_mod`, with ``num_heads`` query heads instead of the group.
+    """
+    group = 1 if steps is None else num_heads // steps.shape[1]
+    mask_mod, rows, size = packed_mask_mod(
+        prompt_lengths, prompt_width, num_slots, slot_width, steps, sliding_window, group
+    )
+    return _block_mask(mask_mod, rows, 1 if steps is None else num_heads, size, prompt_lengths.device)
+
+
+# -------------------------------------------------------------------------------------------------------- attention
+
+
 def flex_feature_attention(
-    query: torch.Tensor,
-    key: torch.Tensor,
-    value: torch.Tensor,
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
     block_mask: object,
     scaling: float,
     features: AttentionFeatures,
-) -> torch.Tensor:
-    """FlexAttention with the layer's softcap (a ``score_mod``) and sinks (a rescaling by the row's log-normaliser).
+) -> Tensor:
+    """Compiled FlexAttention with the layer's softcap (a ``score_mod``) and sinks (a rescaling by the row's
+    log-normaliser), over the bucketed shape of ``block_mask``.
 
-    A sink column ``s`` adds ``exp(s)`` to each row's normaliser ``exp(lse)``, so the sink-free output is scaled by
-    ``exp(lse) / (exp(lse) + exp(s)) = sigmoid(lse - s)``. Returns ``[B, H_q, T, D]``.
+    ``query [B, H_q, T, D]`` and ``key / value [B, H_kv, T, D]`` are zero-padded to the block mask's rows and width
+    (its ``mask_mod`` hides the padding) and the output sliced back. A sink column ``s`` adds ``exp(s)`` to each row's
+    normaliser ``exp(lse)``, so the sink-free output is scaled by ``exp(lse) / (exp(lse) + exp(s)) = sigmoid(lse - s)``.
+
+    Returns:
+        ``[B, H_q, T, D]``.
     """
+    from torch.nn.attention.flex_attention import AuxRequest, flex_attention
+
+    batch, _, width, _ = query.shape
+    rows, _, size, _ = block_mask.shape
+
+    def pad(x: Tensor) -> Tensor:
+        return _pad_to(x, (rows, x.shape[1], size, x.shape[3]))
+
     score_mod = None
     if features.softcap is not None:
         softcap = features.softcap
@@ -63,14 +322,13 @@ def flex_feature_attention(
         def score_mod(score, b, h, q_idx, kv_idx):
             return softcap * torch.tanh(score / softcap)
 
-    flex = _flex_attention()
+    kwargs = dict(score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=True)
     if features.sinks is None:
-        return flex(query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=True)
-    from torch.nn.attention.flex_attention import AuxRequest
-
-    out, aux = flex(
-        query, key, value, score_mod=score_mod, block_mask=block_mask, scale=scaling, enable_gqa=True,
-        return_aux=AuxRequest(lse=True),
-    )  # [B, Hq, T, D], lse [B, Hq, T]
+        out = _call_compiled("flex_attention", flex_attention, pad(query), pad(key), pad(value), **kwargs)
+        return out[:batch, :, :width]  # [B, Hq, T, D]
+    out, aux = _call_compiled(
+        "flex_attention", flex_attention, pad(query), pad(key), pad(value), **kwargs, return_aux=AuxRequest(lse=True)
+    )  # [rows, Hq, size, D], lse [rows, Hq, size]
     sinks = features.sinks.to(aux.lse.dtype).view(1, -1, 1)
-    return out * torch.sigmoid(aux.lse - sinks)[..., None].to(out.dtype)
+    out = out * torch.sigmoid(aux.lse - sinks)[..., None].to(out.dtype)
+    return out[:batch, :, :width]

@@ -51,6 +51,7 @@ from lit_smd.kv.blocked import (
     alive_index,
     block_attention,
     causal_rows_attention,
+    check_record_heads,
     fold_kv_heads,
     fused_blocks,
     gather_keys,
@@ -58,7 +59,7 @@ from lit_smd.kv.blocked import (
     query_block,
 )
 from lit_smd.kv.features import PLAIN, AttentionFeatures, softmax_dtype
-from lit_smd.kv.flex import Backend, flex_feature_attention, use_flex
+from lit_smd.kv.flex import Backend, flex_feature_attention, packed_block_mask, use_flex
 
 __all__ = ["PackedPlan"]
 
@@ -124,7 +125,7 @@ class PackedPlan:
             # Copies, not views: a view of the packed row would keep the whole row's keys alive with the plan.
             self.prompt_kv[layer_idx] = (key[:, :, :width].detach().clone(), value[:, :, :width].detach().clone())
         if use_flex(self.backend, query.device, dropout):
-            block_mask = self._block_mask(layer_idx, query.shape[1], key.shape[1], sliding_window)
+            block_mask = self._block_mask(layer_idx, query.shape[1], sliding_window)
             return flex_feature_attention(query, key, value, block_mask, scaling, features).transpose(1, 2).contiguous()
         prompt_out = causal_rows_attention(
             query[:, :, :width], key[:, :, :width], value[:, :, :width], self.prompt_lengths, None, scaling,
@@ -156,10 +157,11 @@ class PackedPlan:
         limit = self._key_limits(layer_idx, lengths, sliding_window, device)  # [R, S or 1, Hkv or 1, W + N]
         shadow = self.steps is not None
         queries = query.unflatten(2, (slots, new)).transpose(1, 2)  # [R, S, Hq, N, D]
-        if shadow:  # one mask row per slot and KV head: the KV heads into the batch, G query heads per row
-            queries, sinks = fold_kv_heads(queries.reshape(rows * slots, q_heads, new, dim), features, kv_heads)
-            limit = limit.reshape(rows * slots * kv_heads, width + new)  # [R*S*Hkv, W + N]
-            row_lengths = lengths.repeat_interleave(slots * kv_heads)  # [R*S*Hkv]
+        if shadow:  # one mask row per slot and recorded KV head (all heads for a latent record): heads into the batch
+            record = check_record_heads(limit.shape[2], kv_heads)
+            queries, sinks = fold_kv_heads(queries.reshape(rows * slots, q_heads, new, dim), features, record)
+            limit = limit.reshape(rows * slots * record, width + new)  # [R*S*Hrec, W + N]
+            row_lengths = lengths.repeat_interleave(slots * record)  # [R*S*Hrec]
         else:  # one mask per packed row: the slots into the heads (query head (s, h) reads KV head (s, h // G))
             queries, sinks = queries.reshape(rows, slots * q_heads, new, dim), None  # [R, S*Hq, N, D]
             if features.sinks is not None:
@@ -167,12 +169,12 @@ class PackedPlan:
             limit, row_lengths = limit.reshape(rows, width + new), lengths  # [R, W + N], [R]
 
         def per_slot(prompt: torch.Tensor, own: torch.Tensor, stop: int) -> torch.Tensor:
-            # [R, Hkv, W, Dk], [R, Hkv, S*N, Dk] -> [R*S*Hkv, 1, W + stop, Dk] (shadow) or [R, S*Hkv, W + stop, Dk]
+            # [R, Hkv, W, Dk], [R, Hkv, S*N, Dk] -> [R*S*Hrec, Hkv/Hrec, W + stop, Dk] or [R, S*Hkv, W + stop, Dk]
             prompt = prompt[:, None].expand(rows, slots, kv_heads, width, prompt.shape[-1])
             own = own.unflatten(2, (slots, new)).transpose(1, 2)[:, :, :, :stop]
             joined = torch.cat([prompt, own], dim=3)  # [R, S, Hkv, W + stop, Dk]
             if shadow:
-                return joined.reshape(rows * slots * kv_heads, 1, width + stop, -1)
+                return joined.reshape(rows * slots * record, kv_heads // record, width + stop, -1)
             return joined.reshape(rows, slots * kv_heads, width + stop, -1)
 
         def run(start: int, stop: int) -> torch.Tensor:
@@ -223,35 +225,16 @@ class PackedPlan:
             limit = torch.minimum(limit, (key_pos + sliding_window)[:, None, None])
         return limit
 
-    def _block_mask(self, layer_idx: int, q_heads: int, kv_heads: int, sliding_window: int | None):
-        """FlexAttention BlockMask of the whole packed row for one layer (one per plan for the dense view)."""
-        cache_key = ("block", sliding_window) if self.steps is None else ("block", layer_idx)
-        if cache_key not in self._masks:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            lengths, width, new = self.prompt_lengths, self.prompt_width, self.slot_width
-            steps = None if self.steps is None else self.steps[layer_idx]  # [R, Hkv, S, W + N]
-            group = q_heads // kv_heads
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                q_prompt, kv_prompt = q_idx < width, kv_idx < width
-                q_slot, kv_slot = (q_idx - width) // new, (kv_idx - width) // new
-                q_t, kv_t = (q_idx - width) % new, (kv_idx - width) % new
-                q_pos = torch.where(q_prompt, q_idx, lengths[b] + q_t)
-                kv_pos = torch.where(kv_prompt, kv_idx, lengths[b] + kv_t)
-                prompt_key = kv_prompt & (kv_idx < lengths[b]) & (q_prompt.logical_not() | (kv_idx <= q_idx))
-                own_key = q_prompt.logical_not() & kv_prompt.logical_not() & (q_slot == kv_slot) & (kv_t <= q_t)
-                visible = prompt_key | own_key
-                if sliding_window is not None:
-                    visible = visible & ((q_pos - kv_pos) < sliding_window)
-                if steps is not None:
-                    column = torch.where(kv_prompt, kv_idx, width + kv_t)
-                    slot = q_slot.clamp(min=0)
-                    visible = visible & (q_prompt | (q_pos < steps[b, h // group, slot, column]))
-                return visible | (q_idx == kv_idx)
-
-            self._masks[cache_key] = create_block_mask(
-                mask_mod, B=lengths.shape[0], H=1 if steps is None else q_heads, Q_LEN=self.width, KV_LEN=self.width,
-                device=lengths.device,
-            )  # fmt: skip
-        return self._masks[cache_key]
+    def _block_mask(self, layer_idx: int, q_heads: int, sliding_window: int | None):
+        """FlexAttention BlockMask of the whole packed row for one layer (`lit_smd.kv.flex.packed_block_mask`): the
+        shadow view's is built per call and not kept; the dense view's once per plan and window."""
+        steps = None if self.steps is None else self.steps[layer_idx]  # [R, Hkv, S, W + N]
+        cache_key = ("block", sliding_window)
+        if steps is None and cache_key in self._masks:
+            return self._masks[cache_key]
+        block_mask = packed_block_mask(
+            self.prompt_lengths, self.prompt_width, self.num_slots, self.slot_width, steps, q_heads, sliding_window
+        )
+        if steps is None:
+            self._masks[cache_key] = block_mask
+        return block_mask

@@ -55,7 +55,7 @@ import torch.nn.functional as F
 
 from lit_smd.kv.blocked import NEVER, causal_rows_attention
 from lit_smd.kv.features import PLAIN, AttentionFeatures
-from lit_smd.kv.flex import Backend, flex_feature_attention, use_flex
+from lit_smd.kv.flex import Backend, flex_feature_attention, row_block_mask, use_flex
 
 __all__ = ["NEVER", "AttentionPlan", "ShadowMask"]
 
@@ -182,7 +182,7 @@ class AttentionPlan:
     lengths: torch.Tensor
     shadow: ShadowMask | None = None
     backend: Backend = "auto"
-    _block_masks: dict[int, object] = field(default_factory=dict, repr=False)
+    _block_masks: dict[int | None, object] = field(default_factory=dict, repr=False)
 
     def attend(
         self, layer_idx: int, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, scaling: float,
@@ -204,23 +204,10 @@ class AttentionPlan:
         return out.transpose(1, 2).contiguous()
 
     def block_mask(self, layer_idx: int, num_heads: int, width: int, sliding_window: int | None):
-        """FlexAttention BlockMask for one layer, built once per plan and layer."""
-        if layer_idx not in self._block_masks:
-            from torch.nn.attention.flex_attention import create_block_mask
-
-            lengths = self.lengths
-            steps = None if self.shadow is None else self.shadow.evict_steps[layer_idx]  # [B, Hkv, T]
-            group = 1 if steps is None else num_heads // steps.shape[1]
-
-            def mask_mod(b, h, q_idx, kv_idx):
-                visible = (kv_idx <= q_idx) & (kv_idx < lengths[b])
-                if sliding_window is not None:
-                    visible = visible & ((q_idx - kv_idx) < sliding_window)
-                if steps is not None:
-                    visible = visible & (q_idx < steps[b, h // group, kv_idx])
-                return visible | (q_idx == kv_idx)
-
-            self._block_masks[layer_idx] = create_block_mask(
-                mask_mod, B=lengths.shape[0], H=num_heads, Q_LEN=width, KV_LEN=width, device=lengths.device
-            )
-        return self._block_masks[layer_idx]
+        """FlexAttention BlockMask for one layer (`lit_smd.kv.flex.row_block_mask`): the shadow view's is built per
+        call and not kept; the dense view's, the same for every layer, once per plan and window."""
+        if self.shadow is not None:
+            return row_block_mask(self.lengths, self.shadow.evict_steps[layer_idx], num_heads, width, sliding_window)
+        if sliding_window not in self._block_masks:
+            self._block_masks[sliding_window] = row_block_mask(self.lengths, None, num_heads, width, sliding_window)
+        return self._block_masks[sliding_window]

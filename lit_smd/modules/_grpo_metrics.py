@@ -4,7 +4,7 @@
 Sparse-RL correction) and ``time/`` (the rollout's phases), computed by `make_experience` and logged once per rollout
 batch, with its first minibatch. `rollout_correction_metrics`, `policy_metrics` (``train/``) and, on the first pass
 over each batch, `mismatch_metrics` (``mismatch/``): computed with every minibatch; `log_step` logs them.
-`log_learner_time`: ``time/learner_s``, the learner's own seconds per minibatch.
+`log_learner_time`: ``time/learner_s``, the learner's own seconds per minibatch, and ``train/flex_compiles``.
 """
 
 import time
@@ -13,6 +13,7 @@ import torch
 from lightning.pytorch import LightningModule
 from torch import Tensor
 
+from lit_smd.kv.flex import flex_compilations
 from lit_smd.losses.grpo import PolicyLossOutput, masked_mean, mismatch_stats
 from lit_smd.losses.rollout_correction import RolloutCorrectionOutput
 from lit_smd.losses.sparse_rl import SparseRLCorrection
@@ -133,10 +134,13 @@ def synchronize(device: torch.device) -> None:
 
 
 def log_learner_time(module: LightningModule, start: float | None, batch_size: int) -> None:
-    """Log ``time/learner_s``: the seconds since ``start`` (``time.perf_counter``), the device's queued work included;
-    nothing when ``start`` is None."""
+    """Log ``time/learner_s``: the seconds since ``start`` (``time.perf_counter``), the device's queued work included,
+    and ``train/flex_compiles`` (`lit_smd.kv.flex.flex_compilations` so far, the largest over ranks); nothing when
+    ``start`` is None."""
     if start is None:
         return
     synchronize(module.device)
     elapsed = time.perf_counter() - start
     module.log("time/learner_s", elapsed, on_step=True, on_epoch=False, batch_size=batch_size, sync_dist=True)
+    module.log("train/flex_compiles", float(flex_compilations()), on_step=True, on_epoch=False, batch_size=batch_size,
+               sync_dist=True, reduce_fx="max")  # fmt: skip

@@ -1,17 +1,126 @@
-"""The FlexAttention learner path (CUDA's default) agrees with the SDPA path.
+"""The FlexAttention learner path (CUDA's default) agrees with the SDPA path and compiles a bounded number of times.
 
-FlexAttention has no backward on CPU and compiles slowly there (~1 min on 2 cores), so this forward-only
-check is marked slow; `benchmarks/gpu_check.sh` runs forward and backward on a GPU.
+The mask_mods are checked uncompiled against the SDPA visibility over their bucketed grid (fast). The compiled path
+(`lit_smd.kv.flex`) runs forward only on the CPU (torch 2.13 has no FlexAttention backward there) and compiles for
+about a minute per graph on 2 cores, so those tests are marked slow; `benchmarks/gpu_check.sh` runs forward and
+backward on a GPU.
 """
 
 import pytest
 import torch
+from torch.nn.attention.flex_attention import create_mask
 
-from lit_smd.learner import score
+from lit_smd.kv import flex
+from lit_smd.kv.flex import FlexRecompileLimitError, bucket, flex_compilations, row_mask_mod
+from lit_smd.kv.shadow import AttentionPlan, ShadowMask
+from lit_smd.learner import learner_hidden_states, score
 from lit_smd.rollout import generate
 
 from .conftest import make_compressor
 from .test_shadow_replay import _prompts
+
+
+def test_buckets_bound_the_padding_and_the_number_of_shapes():
+    sizes = range(1, 40_000)
+    buckets = [bucket(size) for size in sizes]
+    assert all(b >= s for b, s in zip(buckets, sizes, strict=True))
+    assert all(b <= max(128, 1.25 * s) for b, s in zip(buckets, sizes, strict=True))
+    assert buckets == sorted(buckets)
+    assert len({bucket(size) for size in range(1024, 32_769)}) == 21  # four per doubling, 1k-32k
+
+
+def _plan(rows: int, width: int, kv_heads: int, *, shadow: bool, seed: int = 0) -> AttentionPlan:
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(width // 2, width + 1, (rows,), generator=g)
+    lengths[0] = width
+    steps = None
+    if shadow:  # eviction steps anywhere from the key itself to past the end (never evicted)
+        keys = torch.arange(width)
+        steps = keys + torch.randint(0, width, (1, rows, kv_heads, width), generator=g)
+        steps = ShadowMask(steps.to(torch.int32))
+    return AttentionPlan(lengths=lengths, shadow=steps, backend="flex")
+
+
+def _naive_visible(plan: AttentionPlan, layer: int, width: int, window: int | None) -> torch.Tensor:
+    """Boolean visibility ``[B, H_kv or 1, T, T]`` of one layer, from the shadow-mask contract."""
+    positions = torch.arange(width)
+    query, key = positions[:, None], positions[None, :]
+    visible = (key <= query) & (key < plan.lengths[:, None, None])  # [B, T, T]
+    if window is not None:
+        visible &= (query - key) < window
+    visible = visible[:, None]  # [B, 1, T, T]
+    if plan.shadow is not None:
+        visible = visible & (query < plan.shadow.evict_steps[layer, :, :, None, :width])  # [B, Hkv, T, T]
+    return visible | torch.eye(width, dtype=torch.bool)  # padding rows see themselves
+
+
+@pytest.mark.parametrize("shadow", [False, True])
+@pytest.mark.parametrize("window", [None, 5])
+def test_row_mask_mod_matches_the_sdpa_visibility(shadow, window):
+    """Over the bucketed grid (rows 3 -> 4, width 150 -> 160) the real part is the contract's visibility, the rest
+    sees nothing."""
+    rows, width, heads, kv_heads = 3, 150, 4, 2
+    plan = _plan(rows, width, kv_heads, shadow=shadow)
+    steps = plan.shadow.evict_steps[0] if shadow else None
+    mask_mod, padded_rows, size = row_mask_mod(plan.lengths, steps, width, window, heads // kv_heads)
+    assert (padded_rows, size) == (4, 160)
+    grid = create_mask(mask_mod, padded_rows, heads, size, size, device="cpu")  # [4, Hq, 160, 160]
+    visible = _naive_visible(plan, 0, width, window)  # [B, Hkv or 1, T, T]
+    visible = visible.repeat_interleave(heads // visible.shape[1], dim=1)
+    assert torch.equal(grid[:rows, :, :width, :width], visible)
+    assert not grid[rows:].any() and not grid[:, :, width:].any() and not grid[..., width:].any()
+
+
+@pytest.mark.slow
+def test_compiled_flex_matches_sdpa_in_both_layouts(peaky_model_factory):
+    """Per row and shared prefix, shadow and dense view: compiled FlexAttention against SDPA (float32, forward)."""
+    from tests.test_learner import _rollout
+
+    model = peaky_model_factory("qwen3", dtype=torch.float32)
+    rollout = _rollout(model)
+    mask = rollout.completion_mask[..., None]
+    for layout in ("per_row", "shared_prefix"):
+        for shadow in (True, False):
+            with torch.no_grad():
+                flex_out = learner_hidden_states(model, rollout, shadow=shadow, layout=layout, backend="flex").hidden
+                sdpa_out = learner_hidden_states(model, rollout, shadow=shadow, layout=layout, backend="sdpa").hidden
+            assert ((flex_out - sdpa_out) * mask).abs().max() <= 1e-5, (layout, shadow)
+
+
+@pytest.mark.slow
+def test_compilations_stop_growing_with_the_number_of_batches(monkeypatch):
+    """Batches of varying width and size compile once per bucket (block mask + attention), however many batches
+    come; past `RECOMPILE_LIMIT` a call raises instead of running eager FlexAttention."""
+    heads, kv_heads, dim = 4, 2, 8
+    g = torch.Generator().manual_seed(0)
+
+    def run(rows: int, width: int) -> None:
+        plan = _plan(rows, width, kv_heads, shadow=True, seed=width)
+        query = torch.randn(rows, heads, width, dim, generator=g)
+        key, value = (torch.randn(rows, kv_heads, width, dim, generator=g) for _ in range(2))
+        with torch.no_grad():
+            out = plan.attend(0, query, key, value, dim**-0.5, 0.0, None)  # [B, T, Hq, D]
+        visible = _naive_visible(plan, 0, width, None).repeat_interleave(heads // kv_heads, dim=1)
+        reference = torch.nn.functional.scaled_dot_product_attention(
+            query, key.repeat_interleave(2, 1), value.repeat_interleave(2, 1), attn_mask=visible, scale=dim**-0.5
+        ).transpose(1, 2)
+        assert (out - reference).abs().max() <= 1e-5
+
+    start = flex_compilations()
+    run(3, 150)  # bucket (4, 160): batches of 3 and 4 rows share the batch bucket 4
+    first = flex_compilations()
+    assert first - start <= 2  # the block-mask builder and the attention (0 if an earlier test compiled them)
+    for rows, width in [(4, 131), (3, 160), (4, 145), (4, 140), (3, 155), (4, 133), (3, 159)]:  # same buckets
+        run(rows, width)
+    assert flex_compilations() == first
+    run(3, 170)  # a new width bucket (192)
+    second = flex_compilations()
+    for rows, width in [(4, 180), (3, 140), (4, 190), (3, 175), (4, 150)]:
+        run(rows, width)
+    assert flex_compilations() == second
+    monkeypatch.setattr(flex, "RECOMPILE_LIMIT", 1)
+    with pytest.raises(FlexRecompileLimitError, match="RECOMPILE_LIMIT=1"):
+        run(3, 300)  # a third bucket, over the limit
 
 
 @pytest.mark.slow
@@ -21,10 +130,10 @@ def test_flex_forward_replays_shadow_mask_on_cpu(peaky_model_factory):
     rollout = generate(model, ids, mask, compressor=make_compressor("h2o"), max_new_tokens=16,
                        generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
-        flex = score(model, rollout, backend="flex")
-        sdpa = score(model, rollout, backend="sdpa")
-    assert (flex - rollout.logprobs).abs().max() <= 1e-4
-    assert (flex - sdpa).abs().max() <= 1e-4
+        flex_logprobs = score(model, rollout, backend="flex")
+        sdpa_logprobs = score(model, rollout, backend="sdpa")
+    assert (flex_logprobs - rollout.logprobs).abs().max() <= 1e-4
+    assert (flex_logprobs - sdpa_logprobs).abs().max() <= 1e-4
 
 
 @pytest.mark.slow
@@ -47,8 +156,8 @@ def test_flex_forward_honours_softcap_and_sinks(model_type):
     model = build(model_type).float()
     rollout = sample(model, make_compressor("prefill_then_decode", budget=0.5), num_samples=2)
     with torch.no_grad():
-        flex = score(model, rollout, backend="flex")
-        sdpa = score(model, rollout, backend="sdpa")
+        flex_logprobs = score(model, rollout, backend="flex")
+        sdpa_logprobs = score(model, rollout, backend="sdpa")
     mask = rollout.completion_mask
-    assert (flex - sdpa)[mask].abs().max() <= 1e-4
-    assert (flex - rollout.logprobs)[mask].abs().max() <= 1e-4
+    assert (flex_logprobs - sdpa_logprobs)[mask].abs().max() <= 1e-4
+    assert (flex_logprobs - rollout.logprobs)[mask].abs().max() <= 1e-4

@@ -122,6 +122,7 @@ def test_each_mode_trains_and_keeps_the_reference_frozen(mode, tiny_model_factor
         "rollout/truncated_fraction",
         "time/rollout_s",
         "time/learner_s",
+        "train/flex_compiles",
     }
     expected |= {"kv/visible_fraction"} if mode != "dense" else set()
     expected |= {"smd/kl"} if mode == "smd" else set()
