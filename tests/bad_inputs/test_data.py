@@ -96,7 +96,8 @@ ROLLOUT_SETUP_ERRORS = [
      r"all 3 prompts are longer than max_prompt_tokens=2 tokens; raise max_prompt_tokens"),
     ("unknown task", "gsm9k", {}, r"dataset 'gsm9k' is neither a lit_smd task \(one of \[.*\]\)"),
     ("missing data file", "/nonexistent/prompts.jsonl", {},
-     r"dataset '/nonexistent/prompts.jsonl' is neither a lit_smd task .* nor a data file or hub dataset"),
+     r"dataset '/nonexistent/prompts.jsonl' is neither a lit_smd task .* nor a data file: /nonexistent/prompts.jsonl "
+     r"does not exist"),
 ]  # fmt: skip
 
 
