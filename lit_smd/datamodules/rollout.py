@@ -349,7 +349,12 @@ class RolloutDataModule(ResumableDataModule):
         self.num_filtered["too_short"] = short
         self.num_filtered["over_context"] = over
         if short:
-            logger.warning("dropped %d prompts shorter than the compressor's %d tokens", short, min_prompt_length)
+            logger.warning(
+                "dropped %d prompts shorter than the compressor's minimum of %d tokens (set by its window, sinks "
+                "and, in budget_mode='paper', its budget fraction)",
+                short,
+                min_prompt_length,
+            )
         if over:
             logger.warning(
                 "dropped %d prompts longer than the %d tokens the policy's context leaves after max_new_tokens=%d",
