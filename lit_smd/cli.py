@@ -21,16 +21,20 @@ from typing import Any
 
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import ArgsType, LightningCLI
+from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.cli import ArgsType, LightningCLI, _get_short_description
 
+import lit_smd.callbacks  # noqa: F401
+import lit_smd.modules  # noqa: F401  (imported, their classes go by short name: --model GRPOModule)
 from lit_smd.checkpoint_io import (
     AtomicCheckpointIO,
     AtomicSaveConfigCallback,
     checked_checkpoint_path,
     fallback_requested,
 )
+from lit_smd.cli_errors import LitSmdArgumentParser
 from lit_smd.cli_guards import install_config_guard, warn_checkpoint_overrides
+from lit_smd.console import DATAMODULES, MODULES
 from lit_smd.datamodules.teacher_cache import CacheMetadata
 from lit_smd.datamodules.teacher_cache_build import build_teacher_cache
 
@@ -94,9 +98,26 @@ def main(args: ArgsType = None, run: bool = True) -> LitSmdCLI | CacheMetadata:
         save_config_callback=AtomicSaveConfigCallback,
         save_config_kwargs={"overwrite": True},
         trainer_defaults=_TRAINER_DEFAULTS,
+        parser_class=LitSmdArgumentParser,
+        parser_kwargs=_parser_kwargs(),
         args=args,
         run=run,
     )
+
+
+def _parser_kwargs() -> dict[str, Any]:
+    """The parsers' settings: the program named ``lit-smd`` (also under ``python -m lit_smd``), and each subcommand's
+    ``--help`` description: Lightning's, then lit_smd's modules and data modules by short name."""
+    modules = "; ".join(f"{name} ({line.rstrip('.')})" for name, line in MODULES.items())
+    data = ", ".join(DATAMODULES)
+    kwargs: dict[str, Any] = {"prog": "lit-smd"}
+    for subcommand in LitSmdCLI.subcommands():
+        kwargs[subcommand] = {
+            "description": f"{_get_short_description(getattr(Trainer, subcommand))} Modules (--model, by short name or "
+            f"class_path): {modules}. Data modules (--data): {data}. --model.help GRPOModule lists a module's "
+            "arguments; --print_config prints the whole config."
+        }
+    return kwargs
 
 
 def cache_teacher(args: list[str]) -> CacheMetadata:
@@ -115,5 +136,7 @@ def cache_teacher(args: list[str]) -> CacheMetadata:
 
 
 def console_main() -> None:
-    """The ``lit-smd`` console script: `main` on ``sys.argv`` (returns None, so the exit status is 0 on success)."""
-    main()
+    """The ``lit-smd`` console script (`lit_smd.console.console_main`: the fast overview, one-line errors)."""
+    from lit_smd.console import console_main as run
+
+    run()
