@@ -21,11 +21,12 @@ from typing import Any
 
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.pytorch import LightningDataModule, LightningModule, Trainer
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar
 from lightning.pytorch.cli import ArgsType, LightningCLI, _get_short_description
 
-import lit_smd.callbacks  # noqa: F401
 import lit_smd.modules  # noqa: F401  (imported, their classes go by short name: --model GRPOModule)
+from lit_smd.callbacks import ProgressLines
 from lit_smd.checkpoint_io import (
     AtomicCheckpointIO,
     AtomicSaveConfigCallback,
@@ -38,7 +39,7 @@ from lit_smd.console import DATAMODULES, MODULES
 from lit_smd.datamodules.teacher_cache import CacheMetadata
 from lit_smd.datamodules.teacher_cache_build import build_teacher_cache
 
-__all__ = ["LitSmdCLI", "cache_teacher", "console_main", "main"]
+__all__ = ["LitSmdCLI", "cache_teacher", "console_main", "main", "progress_lines_wanted"]
 
 
 class LitSmdCLI(LightningCLI):
@@ -60,6 +61,25 @@ class LitSmdCLI(LightningCLI):
         if configured:
             loaded = _model_arguments(self.config[subcommand].get("model"))
             warn_checkpoint_overrides(configured, loaded, self.config[subcommand].get("ckpt_path"))
+
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        """The Trainer, with `ProgressLines` in place of the progress bar when standard output is not a terminal
+        (`progress_lines_wanted`)."""
+        if progress_lines_wanted(config, callbacks):
+            callbacks = [*callbacks, ProgressLines()]
+        return super()._instantiate_trainer(config, callbacks)
+
+
+def progress_lines_wanted(config: dict[str, Any], callbacks: list[Callback]) -> bool:
+    """Whether ``lit-smd`` should print progress lines (`lit_smd.callbacks.ProgressLines`): standard output is not a
+    terminal, the trainer ``config`` does not disable the progress bar, and no progress bar is configured."""
+    configured = config.get("callbacks") or []
+    configured = configured if isinstance(configured, list) else [configured]
+    return (
+        not sys.stdout.isatty()
+        and config.get("enable_progress_bar") is not False
+        and not any(isinstance(callback, ProgressBar) for callback in [*configured, *callbacks])
+    )
 
 
 def _model_arguments(model: Any) -> dict[str, Any]:

@@ -10,6 +10,7 @@ or ``--debug`` anywhere on the command line shows the traceback of configuration
 
 import os
 import sys
+import warnings
 
 __all__ = ["DATAMODULES", "MODULES", "SUBCOMMANDS", "console_main", "overview"]
 
@@ -89,6 +90,8 @@ def console_main(args: list[str] | None = None) -> None:
         os.environ["LIT_SMD_DEBUG"] = "1"
     if from_argv:  # LightningCLI warns when it gets both args and a command line
         sys.argv[1:] = args
+    # Lightning 2.6's own pytree call on torch >= 2.13: nothing a user can change, printed at every fit
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
     from lit_smd.cli import main
     from lit_smd.cli_errors import configuration_error, debug_requested
 
