@@ -16,7 +16,9 @@ Besides Lightning's subcommands, ``cache-teacher`` builds an offline teacher-log
 
 from __future__ import annotations
 
+import os
 import sys
+import warnings
 from typing import Any
 
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
@@ -33,11 +35,11 @@ from lit_smd.checkpoint_io import (
     checked_checkpoint_path,
     fallback_requested,
 )
-from lit_smd.cli_errors import LitSmdArgumentParser
+from lit_smd.cli_errors import LitSmdArgumentParser, configuration_error, debug_requested
 from lit_smd.cli_guards import install_config_guard, warn_checkpoint_overrides
-from lit_smd.console import DATAMODULES, MODULES
 from lit_smd.datamodules.teacher_cache import CacheMetadata
 from lit_smd.datamodules.teacher_cache_build import build_teacher_cache
+from lit_smd.overview import DATAMODULES, MODULES, overview
 
 __all__ = ["LitSmdCLI", "cache_teacher", "console_main", "main", "progress_lines_wanted"]
 
@@ -155,8 +157,38 @@ def cache_teacher(args: list[str]) -> CacheMetadata:
     return metadata
 
 
-def console_main() -> None:
-    """The ``lit-smd`` console script (`lit_smd.console.console_main`: the fast overview, one-line errors)."""
-    from lit_smd.console import console_main as run
+def console_main(args: list[str] | None = None) -> None:
+    """The ``lit-smd`` command on ``args`` (``sys.argv[1:]`` when None); returns None, so a finished run exits 0.
 
-    run()
+    The console script enters through `lit_smd.console.console_main`, which prints the overview of ``--help``
+    without importing this module. A configuration error (`lit_smd.cli_errors.configuration_error`) prints as one
+    line and exits with status 1; any other exception keeps its traceback. ``LIT_SMD_DEBUG=1`` in the environment, or
+    ``--debug`` anywhere on the command line, shows the traceback of configuration errors too.
+
+    Args:
+        args: The command line after ``lit-smd``.
+
+    Raises:
+        SystemExit: Status 1 after printing a configuration error's one line (2 for a parse error).
+    """
+    from_argv = args is None
+    args = list(sys.argv[1:] if from_argv else args)
+    if not args or args[0] in ("-h", "--help"):
+        print(overview())
+        return
+    if "--debug" in args:
+        args.remove("--debug")
+        os.environ["LIT_SMD_DEBUG"] = "1"
+    if from_argv:  # LightningCLI warns when it gets both args and a command line
+        sys.argv[1:] = args
+    # Lightning 2.6's own pytree call on torch >= 2.13: nothing a user can change, printed at every fit
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    try:
+        main(None if from_argv else args)
+    except Exception as error:
+        message = None if debug_requested() else configuration_error(error)
+        if message is None:
+            raise
+        prog = "lit-smd" if args[0].startswith("-") else f"lit-smd {args[0]}"
+        print(f"{prog}: error: {message} (LIT_SMD_DEBUG=1 shows the traceback)", file=sys.stderr)
+        raise SystemExit(1) from None

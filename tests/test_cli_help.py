@@ -13,8 +13,9 @@ from lightning.pytorch.cli import _get_short_description
 import lit_smd.datamodules
 import lit_smd.modules
 from lit_smd.cli import LitSmdCLI, main
-from lit_smd.console import DATAMODULES, MODULES, SUBCOMMANDS, console_main, overview
+from lit_smd.console import console_main
 from lit_smd.datamodules import build_teacher_cache
+from lit_smd.overview import DATAMODULES, MODULES, SUBCOMMANDS, overview
 
 
 def _first_line(obj: object) -> str:

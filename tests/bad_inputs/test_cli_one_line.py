@@ -17,8 +17,6 @@ import yaml
 
 from lit_smd.console import console_main
 
-ROOT = Path(__file__).resolve().parents[2]
-
 
 @pytest.fixture(scope="module")
 def tiny_config(tiny_dir: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
@@ -116,11 +114,9 @@ def test_an_error_outside_lit_smd_keeps_its_traceback(tiny_config, tmp_path, mon
                       "--data.init_args.reward_timeout", "null"])  # fmt: skip
 
 
-def test_the_module_entry_point_exits_with_status_1_and_one_line(tiny_dir, tmp_path):
+def test_the_module_entry_point_exits_with_status_1_and_one_line(tiny_config, tmp_path):
     result = subprocess.run(
-        [sys.executable, "-m", "lit_smd", "fit", "--config", str(ROOT / "configs/grpo/quickstart_cpu.yaml"),
-         "--model.init_args.policy", str(tiny_dir), "--data.init_args.tokenizer", str(tiny_dir),
-         "--data.init_args.num_generations", "0"],
+        [sys.executable, "-m", "lit_smd", "fit", "--config", str(tiny_config), "--data.init_args.num_generations", "0"],
         capture_output=True, text=True, timeout=300, cwd=tmp_path,
     )  # fmt: skip
     assert result.returncode == 1, result.stderr[-2000:]
@@ -128,4 +124,3 @@ def test_the_module_entry_point_exits_with_status_1_and_one_line(tiny_dir, tmp_p
         "lit-smd fit: error: num_generations must be an integer >= 1, got 0 (LIT_SMD_DEBUG=1 shows the traceback)"
     )
     assert "Traceback" not in result.stderr
-    assert not (tmp_path / "runs").exists()
