@@ -35,7 +35,7 @@ from lit_smd.checkpoint_io import (
     checked_checkpoint_path,
     fallback_requested,
 )
-from lit_smd.cli_errors import LitSmdArgumentParser, configuration_error, debug_requested
+from lit_smd.cli_errors import DEBUG_ENV, LitSmdArgumentParser, configuration_error, debug_requested
 from lit_smd.cli_guards import install_config_guard, warn_checkpoint_overrides
 from lit_smd.datamodules.teacher_cache import CacheMetadata
 from lit_smd.datamodules.teacher_cache_build import build_teacher_cache
@@ -176,9 +176,10 @@ def console_main(args: list[str] | None = None) -> None:
     if not args or args[0] in ("-h", "--help"):
         print(overview())
         return
-    if "--debug" in args:
+    previous_debug = os.environ.get(DEBUG_ENV)
+    if "--debug" in args:  # through the environment: jsonargparse's error handler and DDP's worker processes see it
         args.remove("--debug")
-        os.environ["LIT_SMD_DEBUG"] = "1"
+        os.environ[DEBUG_ENV] = "1"
     if from_argv:  # LightningCLI warns when it gets both args and a command line
         sys.argv[1:] = args
     # Lightning 2.6's own pytree call on torch >= 2.13: nothing a user can change, printed at every fit
@@ -192,3 +193,8 @@ def console_main(args: list[str] | None = None) -> None:
         prog = "lit-smd" if args[0].startswith("-") else f"lit-smd {args[0]}"
         print(f"{prog}: error: {message} (LIT_SMD_DEBUG=1 shows the traceback)", file=sys.stderr)
         raise SystemExit(1) from None
+    finally:
+        if not from_argv and previous_debug is None:  # called from Python: leave the environment as it was
+            os.environ.pop(DEBUG_ENV, None)
+        elif not from_argv:
+            os.environ[DEBUG_ENV] = previous_debug

@@ -7,6 +7,7 @@ process, log handlers that Lightning bound to an earlier test's captured stderr 
 tracebacks of their own).
 """
 
+import os
 import re
 import subprocess
 import sys
@@ -102,6 +103,7 @@ def test_debug_shows_the_traceback(tiny_config, capsys, monkeypatch):
     monkeypatch.delenv("LIT_SMD_DEBUG")
     with pytest.raises(ValueError, match=r"mode='smd' samples with a compressed KV cache"):
         console_main(["fit", "--debug", "--config", str(tiny_config), *SMD])
+    assert "LIT_SMD_DEBUG" not in os.environ  # --debug from Python leaves the environment as it was
 
 
 def test_an_error_outside_lit_smd_keeps_its_traceback(tiny_config, tmp_path, monkeypatch):
