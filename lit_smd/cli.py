@@ -18,27 +18,34 @@ Besides Lightning's subcommands, ``cache-teacher`` builds an offline teacher-log
 
 from __future__ import annotations
 
+import os
 import sys
+import warnings
 from typing import Any
 
 from jsonargparse import ActionConfigFile, ArgumentParser, Namespace
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
-from lightning.pytorch import LightningDataModule, LightningModule
-from lightning.pytorch.cli import ArgsType, LightningCLI
+from lightning.pytorch import Callback, LightningDataModule, LightningModule, Trainer
+from lightning.pytorch.callbacks import ProgressBar
+from lightning.pytorch.cli import ArgsType, LightningCLI, _get_short_description
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+import lit_smd.modules  # noqa: F401  (imported, their classes go by short name: --model GRPOModule)
+from lit_smd.callbacks import ProgressLines
 from lit_smd.checkpoint_io import (
     AtomicCheckpointIO,
     AtomicSaveConfigCallback,
     checked_checkpoint_path,
     fallback_requested,
 )
+from lit_smd.cli_errors import DEBUG_ENV, LitSmdArgumentParser, configuration_error, debug_requested
 from lit_smd.cli_guards import install_config_guard, warn_checkpoint_overrides
 from lit_smd.datamodules.teacher_cache import CacheMetadata
 from lit_smd.datamodules.teacher_cache_build import build_teacher_cache
+from lit_smd.overview import DATAMODULES, MODULES, overview
 from lit_smd.run_folder import continue_run_folder, no_folder_from_failed_start, resolve_last
 
-__all__ = ["LitSmdCLI", "cache_teacher", "console_main", "main"]
+__all__ = ["LitSmdCLI", "cache_teacher", "console_main", "main", "progress_lines_wanted"]
 
 
 class LitSmdCLI(LightningCLI):
@@ -73,6 +80,13 @@ class LitSmdCLI(LightningCLI):
         with no_folder_from_failed_start(self.trainer):
             super()._run_subcommand(subcommand)
 
+    def _instantiate_trainer(self, config: dict[str, Any], callbacks: list[Callback]) -> Trainer:
+        """The Trainer, with `ProgressLines` in place of the progress bar when standard output is not a terminal
+        (`progress_lines_wanted`)."""
+        if progress_lines_wanted(config, callbacks):
+            callbacks = [*callbacks, ProgressLines()]
+        return super()._instantiate_trainer(config, callbacks)
+
 
 def _resolve_last(config: Namespace) -> str | None:
     """``--ckpt_path last``: the newest checkpoint of the newest run folder, None when there is none yet
@@ -83,6 +97,18 @@ def _resolve_last(config: Namespace) -> str | None:
     checkpoint, account = resolved
     rank_zero_info(account)
     return None if checkpoint is None else str(checkpoint)
+
+
+def progress_lines_wanted(config: dict[str, Any], callbacks: list[Callback]) -> bool:
+    """Whether ``lit-smd`` should print progress lines (`lit_smd.callbacks.ProgressLines`): standard output is not a
+    terminal, the trainer ``config`` does not disable the progress bar, and no progress bar is configured."""
+    configured = config.get("callbacks") or []
+    configured = configured if isinstance(configured, list) else [configured]
+    return (
+        not sys.stdout.isatty()
+        and config.get("enable_progress_bar") is not False
+        and not any(isinstance(callback, ProgressBar) for callback in [*configured, *callbacks])
+    )
 
 
 def _model_arguments(model: Any) -> dict[str, Any]:
@@ -121,9 +147,26 @@ def main(args: ArgsType = None, run: bool = True) -> LitSmdCLI | CacheMetadata:
         save_config_callback=AtomicSaveConfigCallback,
         save_config_kwargs={"overwrite": True},
         trainer_defaults=_TRAINER_DEFAULTS,
+        parser_class=LitSmdArgumentParser,
+        parser_kwargs=_parser_kwargs(),
         args=args,
         run=run,
     )
+
+
+def _parser_kwargs() -> dict[str, Any]:
+    """The parsers' settings: the program named ``lit-smd`` (also under ``python -m lit_smd``), and each subcommand's
+    ``--help`` description: Lightning's, then lit_smd's modules and data modules by short name."""
+    modules = "; ".join(f"{name} ({line.rstrip('.')})" for name, line in MODULES.items())
+    data = ", ".join(DATAMODULES)
+    kwargs: dict[str, Any] = {"prog": "lit-smd"}
+    for subcommand in LitSmdCLI.subcommands():
+        kwargs[subcommand] = {
+            "description": f"{_get_short_description(getattr(Trainer, subcommand))} Modules (--model, by short name or "
+            f"class_path): {modules}. Data modules (--data): {data}. --model.help GRPOModule lists a module's "
+            "arguments; --print_config prints the whole config."
+        }
+    return kwargs
 
 
 def cache_teacher(args: list[str]) -> CacheMetadata:
@@ -141,6 +184,44 @@ def cache_teacher(args: list[str]) -> CacheMetadata:
     return metadata
 
 
-def console_main() -> None:
-    """The ``lit-smd`` console script: `main` on ``sys.argv`` (returns None, so the exit status is 0 on success)."""
-    main()
+def console_main(args: list[str] | None = None) -> None:
+    """The ``lit-smd`` command on ``args`` (``sys.argv[1:]`` when None); returns None, so a finished run exits 0.
+
+    The console script enters through `lit_smd.console.console_main`, which prints the overview of ``--help``
+    without importing this module. A configuration error (`lit_smd.cli_errors.configuration_error`) prints as one
+    line and exits with status 1; any other exception keeps its traceback. ``LIT_SMD_DEBUG=1`` in the environment, or
+    ``--debug`` anywhere on the command line, shows the traceback of configuration errors too.
+
+    Args:
+        args: The command line after ``lit-smd``.
+
+    Raises:
+        SystemExit: Status 1 after printing a configuration error's one line (2 for a parse error).
+    """
+    from_argv = args is None
+    args = list(sys.argv[1:] if from_argv else args)
+    if not args or args[0] in ("-h", "--help"):
+        print(overview())
+        return
+    previous_debug = os.environ.get(DEBUG_ENV)
+    if "--debug" in args:  # through the environment: jsonargparse's error handler and DDP's worker processes see it
+        args.remove("--debug")
+        os.environ[DEBUG_ENV] = "1"
+    if from_argv:  # LightningCLI warns when it gets both args and a command line
+        sys.argv[1:] = args
+    # Lightning 2.6's own pytree call on torch >= 2.13: nothing a user can change, printed at every fit
+    warnings.filterwarnings("ignore", message=r"`isinstance\(treespec, LeafSpec\)` is deprecated")
+    try:
+        main(None if from_argv else args)
+    except Exception as error:
+        message = None if debug_requested() else configuration_error(error)
+        if message is None:
+            raise
+        prog = "lit-smd" if args[0].startswith("-") else f"lit-smd {args[0]}"
+        print(f"{prog}: error: {message} (LIT_SMD_DEBUG=1 shows the traceback)", file=sys.stderr)
+        raise SystemExit(1) from None
+    finally:
+        if not from_argv and previous_debug is None:  # called from Python: leave the environment as it was
+            os.environ.pop(DEBUG_ENV, None)
+        elif not from_argv:
+            os.environ[DEBUG_ENV] = previous_debug

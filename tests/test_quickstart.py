@@ -9,6 +9,7 @@ reward.
 """
 
 import json
+import logging
 from pathlib import Path
 
 import pytest
@@ -48,19 +49,26 @@ def quickstart(runs: Path, policy: Path, *overrides: str):
     )  # fmt: skip
 
 
-def test_both_stages_log_to_tensorboard_save_their_config_and_resume(tmp_path):
+def test_both_stages_log_to_tensorboard_save_their_config_and_resume(tmp_path, caplog):
     runs, policy = tmp_path / "runs", tmp_path / "policy"
-    sft = warmup(
-        runs, policy, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2",
-        "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
-        "--data.init_args.dataset_kwargs", json.dumps({"size": 32, "num_queries": 4, "seed": 1, **TASK}),
-        "--data.init_args.val_dataset_kwargs", json.dumps({"size": 8, "seed": 2, **TASK}),
-        "--data.init_args.batch_size", "8",
-    )  # fmt: skip
+    lightning_log = logging.getLogger("lightning.pytorch")  # it does not propagate: listen to it directly
+    lightning_log.addHandler(caplog.handler)
+    try:
+        sft = warmup(
+            runs, policy, "--trainer.max_steps", "4", "--trainer.val_check_interval", "2",
+            "--trainer.log_every_n_steps", "1", "--trainer.enable_progress_bar", "false",
+            "--data.init_args.dataset_kwargs", json.dumps({"size": 32, "num_queries": 4, "seed": 1, **TASK}),
+            "--data.init_args.val_dataset_kwargs", json.dumps({"size": 8, "seed": 2, **TASK}),
+            "--data.init_args.batch_size", "8",
+        )  # fmt: skip
+    finally:
+        lightning_log.removeHandler(caplog.handler)
+    assert f"exported the trained policy to {policy}" in caplog.text  # the path stage 2 loads
     sft_dir = Path(sft.trainer.log_dir)
     assert (sft_dir / "config.yaml").is_file()
     logged = scalars(sft_dir)
     assert {"train/loss", "train/token_accuracy", "val/sequence_accuracy"} <= logged.keys()
+    assert {"mem/forward_peak_mib", "mem/backward_peak_mib", "mem/optimizer_peak_mib"} <= logged.keys()
     assert (policy / "model.safetensors").is_file() and (policy / "tokenizer.json").is_file()
 
     rl_overrides = [
@@ -84,7 +92,7 @@ def test_both_stages_log_to_tensorboard_save_their_config_and_resume(tmp_path):
         "rollout/advantage_mean", "rollout/advantage_std", "rollout/advantage_abs_max",
         "rollout/zero_std_group_fraction", "rollout/completion_length_mean", "rollout/completion_length_max",
         "rollout/truncated_fraction", "kv/visible_fraction", "kv/visible_fraction/prompt",
-        "kv/visible_fraction/decode",
+        "kv/visible_fraction/decode", "mem/rollout_peak_mib", "mem/forward_peak_mib", "mem/kv_cache_mib",
     }  # fmt: skip
     assert documented <= scalars(grpo_dir).keys(), documented - scalars(grpo_dir).keys()
 

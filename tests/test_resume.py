@@ -46,7 +46,7 @@ from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer, save_tiny_check
 
 ROOT = Path(__file__).resolve().parents[1]
 Objects = tuple[L.LightningModule, L.LightningDataModule, list[L.Callback]]
-UNTIMED = ("time/",)  # wall-clock durations: the only logged values that may differ between runs
+UNTIMED = ("time/", "mem/")  # wall-clock durations and measured memory: the logged values that may differ by run
 
 
 class MemoryLogger(Logger):

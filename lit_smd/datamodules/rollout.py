@@ -260,10 +260,14 @@ class RolloutDataModule(ResumableDataModule):
         """Build the prompt rows, apply the chat template and drop over-long and empty prompts (idempotent).
 
         Nothing to do for ``stage="validate"`` / ``"test"``: evaluation prompts are built by their dataloaders. Under a
-        Trainer, first refuses strategies that shard the policy (`require_full_weights`).
+        Trainer, first refuses strategies that shard the policy (`require_full_weights`), and without a
+        ``val_dataset`` turns the validation loop of ``fit`` off (``trainer.limit_val_batches = 0``: Lightning would
+        run it on an empty list, with a warning).
         """
         if self.trainer is not None:
             require_full_weights(self.trainer.strategy, "RolloutDataModule (rollouts and evaluation sampling)")
+            if stage == "fit" and self.eval_datasets["val"][0] is None:
+                self.trainer.limit_val_batches = 0  # no val_dataset: no validation loop (nor its empty-list warning)
         if self.prompts is not None or stage in ("validate", "test"):
             return
         raw = read_prompt_rows(self.dataset, self.dataset_kwargs, "the prompt dataset")
@@ -349,7 +353,12 @@ class RolloutDataModule(ResumableDataModule):
         self.num_filtered["too_short"] = short
         self.num_filtered["over_context"] = over
         if short:
-            logger.warning("dropped %d prompts shorter than the compressor's %d tokens", short, min_prompt_length)
+            logger.warning(
+                "dropped %d prompts shorter than the compressor's minimum of %d tokens (set by its window, sinks "
+                "and, in budget_mode='paper', its budget fraction)",
+                short,
+                min_prompt_length,
+            )
         if over:
             logger.warning(
                 "dropped %d prompts longer than the %d tokens the policy's context leaves after max_new_tokens=%d",

@@ -15,6 +15,7 @@ import torch
 from lit_smd.datamodules.experience import RolloutLearner, ScoredRollout
 from lit_smd.datamodules.limits import check_rollout_memory, rollout_length_limit
 from lit_smd.datamodules.resume import EpochPosition
+from lit_smd.kv.compressors import min_prompt_reason
 
 __all__ = ["RolloutSource", "RolloutStream"]
 
@@ -82,9 +83,17 @@ class RolloutStream:
         per_step = datamodule.prompts_per_step * world_size
         self.steps_per_epoch = len(self.indices) // per_step
         if self.steps_per_epoch == 0:
+            reason = ""
+            if compressor is not None and datamodule.num_filtered.get("too_short"):
+                reason = (
+                    f"; too_short: {datamodule.num_filtered['too_short']} prompts are shorter than the "
+                    f"{compressor.min_prompt_length} tokens the compressor needs, because "
+                    f"{min_prompt_reason(compressor)}: lower its window or sinks, raise its budget fraction or give "
+                    "an absolute (int) budget, or use longer prompts"
+                )
             raise ValueError(
                 f"{len(self.indices)} usable prompts cannot fill one step of prompts_per_step="
-                f"{datamodule.prompts_per_step} on {world_size} rank(s) (filtered: {datamodule.num_filtered})"
+                f"{datamodule.prompts_per_step} on {world_size} rank(s) (filtered: {datamodule.num_filtered}){reason}"
             )
         if config is not None:
             longest = max(datamodule.prompt_lengths[i] for i in self.indices)

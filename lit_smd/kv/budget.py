@@ -47,11 +47,14 @@ def check_budget(budget: int | float, budget_mode: str, minimum: int, owner: str
         raise ValueError(f"{owner}.budget must be an int token count or a float fraction, got {budget!r}")
     if isinstance(budget, float):
         if not 0.0 < budget <= 1.0 or math.isnan(budget):
-            raise ValueError(f"{owner}.budget as a fraction must be in (0, 1], got {budget}")
+            raise ValueError(
+                f"{owner}.budget as a fraction must be in (0, 1], got {budget}; or give an absolute budget, an int "
+                f"token count >= {minimum} (window + sinks)"
+            )
     elif budget < minimum:
         raise ValueError(
             f"{owner}.budget={budget} is smaller than the keys the compressor always keeps; "
-            f"it must be >= {minimum} (window + sinks)"
+            f"it must be >= {minimum} (window + sinks), or a fraction of the context, a float in (0, 1] such as 0.5"
         )
     if budget_mode not in BUDGET_MODES:
         raise ValueError(f"{owner}.budget_mode must be one of {BUDGET_MODES}, got {budget_mode!r}")

@@ -64,6 +64,7 @@ __all__ = [
     "RandomEviction",
     "RecentWindow",
     "SnapKV",
+    "min_prompt_reason",
 ]
 
 INF = float("inf")
@@ -382,6 +383,33 @@ class PrefillThenDecode:
 
     def decode_scores(self, state: DecodeState) -> torch.Tensor:
         return self.decode.decode_scores(state)
+
+
+def min_prompt_reason(compressor: Compressor, owner: str | None = None) -> str:
+    """Why ``compressor`` needs prompts of at least ``compressor.min_prompt_length`` tokens, naming the settings.
+
+    Args:
+        compressor: Any compressor (for `PrefillThenDecode`, the part that sets the minimum is named).
+        owner: Its name in the message (default: its class name).
+
+    Returns:
+        E.g. ``"SnapKV.budget=0.5 (budget_mode='paper') keeps floor(0.5 * P) of a prompt's P keys, which must hold
+        the 36 keys it always keeps (window=32 + sinks=4)"``.
+    """
+    owner = owner or type(compressor).__name__
+    if isinstance(compressor, PrefillThenDecode):
+        part = max(("prefill", "decode"), key=lambda name: getattr(compressor, name).min_prompt_length)
+        return min_prompt_reason(getattr(compressor, part), f"{owner}.{part}")
+    if not isinstance(compressor, BaseCompressor):
+        return f"{owner}.min_prompt_length is {compressor.min_prompt_length}"
+    budget_length = shortest_prompt(compressor.budget, compressor.budget_mode, compressor.min_budget)
+    if isinstance(compressor, SnapKV) and compressor.window >= budget_length:
+        return f"SnapKV's observation window ({owner}.window={compressor.window}) must fit inside every prompt"
+    return (
+        f"{owner}.budget={compressor.budget} (budget_mode={compressor.budget_mode!r}) keeps "
+        f"floor({compressor.budget} * P) of a prompt's P keys, which must hold the {compressor.min_budget} keys it "
+        f"always keeps (window={compressor.window} + sinks={compressor.sinks})"
+    )
 
 
 COMPRESSORS: dict[str, type] = {

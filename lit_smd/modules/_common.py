@@ -13,7 +13,7 @@ from typing import Literal, get_args
 
 import torch
 from lightning.pytorch import LightningModule
-from lightning.pytorch.utilities import rank_zero_warn
+from lightning.pytorch.utilities import rank_zero_info, rank_zero_warn
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 from transformers import PreTrainedModel, PreTrainedTokenizerBase
@@ -105,12 +105,14 @@ def start_fit(module: LightningModule, name: str, frozen: PreTrainedModel | None
 
 def export_at_train_end(module: LightningModule, name: str, export: Callable[..., Path]) -> None:
     """``on_train_end``: with ``module.export_dir`` set, write the trained model ``name`` there with ``export``
-    (called with the directory and the DataModule's ``tokenizer``) on rank 0; under FSDP2 every rank gathers it."""
+    (called with the directory and the DataModule's ``tokenizer``) on rank 0, and log where (``exported the trained
+    <name> to <path>``); under FSDP2 every rank gathers it."""
     if module.export_dir is None:
         return
     with unsharded_attribute(module, name):
         if module.trainer.is_global_zero:
-            export(module.export_dir, tokenizer=getattr(module.trainer.datamodule, "tokenizer", None))
+            path = export(module.export_dir, tokenizer=getattr(module.trainer.datamodule, "tokenizer", None))
+            rank_zero_info(f"exported the trained {name} to {path}")
 
 
 def export_tokenizer(

@@ -254,7 +254,7 @@ class WeightedRewards:
             try:
                 return fn(**kwargs)
             except Exception as error:
-                raise _failed(name, error) from error
+                raise _failed(name, error, kwargs["completions"]) from error
         box: dict[str, Any] = {}
 
         def run() -> None:
@@ -269,7 +269,7 @@ class WeightedRewards:
         if thread.is_alive():
             raise _timed_out([name], self.timeout)
         if "error" in box:
-            raise _failed(name, box["error"]) from box["error"]
+            raise _failed(name, box["error"], kwargs["completions"]) from box["error"]
         return box["value"]
 
     def _call_async(self, functions: dict[str, RewardFn], kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -312,7 +312,7 @@ class WeightedRewards:
             raise _timed_out(hung, self.timeout)
         for name, outcome in outcomes.items():
             if isinstance(outcome, BaseException):
-                raise _failed(name, outcome) from outcome
+                raise _failed(name, outcome, kwargs["completions"]) from outcome
         return outcomes
 
     def _warn_all_abstained(self, per_function: dict[str, torch.Tensor], kwargs: dict[str, Any]) -> None:
@@ -331,7 +331,7 @@ class WeightedRewards:
             )
 
 
-def _failed(name: str, error: BaseException) -> RuntimeError:
+def _failed(name: str, error: BaseException, completions: Sequence[Any]) -> RuntimeError:
     hint = ""
     if isinstance(error, ValueError) and "thread" in str(error) and "signal" in str(error):
         hint = (
@@ -339,7 +339,22 @@ def _failed(name: str, error: BaseException) -> RuntimeError:
             "disable that function's own timeout, e.g. math_verify.parse(..., parsing_timeout=None), or set the "
             "reward timeout to None)"
         )
+    elif isinstance(error, (TypeError, KeyError, IndexError, AttributeError)) and completions:
+        hint = f" ({_completion_form(completions[0])})"
     return RuntimeError(f"reward function {name!r} failed: {type(error).__name__}: {error}{hint}")
+
+
+def _completion_form(completion: Any) -> str:
+    """What the completions of this batch are, and how to read either form, for a reward function that expected the
+    other one (TRL's conversational ``c[0]["content"]`` on a plain-text task, or string methods on messages)."""
+    if isinstance(completion, str):
+        form = "completions are plain strings here (a plain-text dataset)"
+    else:
+        form = 'completions are message lists here, [{"role": "assistant", "content": ...}] (a conversational dataset)'
+    return (
+        f"{form}; the other dataset format gives the other form: read the text of either with "
+        "lit_smd.rewards.completion_text(completion)"
+    )
 
 
 def _timed_out(names: list[str], timeout: float | None) -> TimeoutError:

@@ -2,6 +2,7 @@
 
 from lit_smd.tasks.datasets import (
     TASKS,
+    check_dataset_source,
     competition_math,
     govreport,
     gsm8k,
@@ -17,6 +18,7 @@ from lit_smd.tasks.synthetic import arithmetic, key_value_retrieval, multi_hop_c
 __all__ = [
     "TASKS",
     "arithmetic",
+    "check_dataset_source",
     "competition_math",
     "govreport",
     "gsm8k",

@@ -16,11 +16,12 @@ the math templates ask for a boxed answer, the convention for instruct models. A
 or hub dataset in TRL's conversational format (``prompt`` a list of messages) is used as it is.
 """
 
+import difflib
 import json
 import logging
 import re
 import string
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, Literal
 
@@ -354,9 +355,14 @@ def resolve_dataset(dataset: str | Dataset, **kwargs: Any) -> Dataset:
     """The rows a DataModule argument names: a `Dataset` as is, a :data:`TASKS` name built with ``kwargs``, or else a
     hub id / local data file read by `load_rows` with ``kwargs``.
 
+    The name is resolved before ``kwargs`` are applied (`check_dataset_source`), so a misspelt task or a missing file
+    is named as such even when ``kwargs`` hold a task's arguments (``size``, ...) that `load_rows` would refuse.
+
     Raises:
-        ValueError: ``dataset`` is neither a task nor a readable data file / hub dataset, or it has no rows.
+        ValueError: ``dataset`` is neither a task nor a readable data file / hub dataset, ``kwargs`` are not
+            `load_rows`'s for a file or hub id, or the rows are empty.
     """
+    check_dataset_source(dataset, kwargs)
     rows = dataset
     if isinstance(dataset, str) and dataset in TASKS:
         rows = load_task(dataset, **kwargs)
@@ -365,12 +371,65 @@ def resolve_dataset(dataset: str | Dataset, **kwargs: Any) -> Dataset:
             rows = load_rows(dataset, **kwargs)
         except (FileNotFoundError, ConnectionError) as error:
             raise ValueError(
-                f"dataset {dataset!r} is neither a lit_smd task (one of {sorted(TASKS)}) nor a data file or hub "
-                f"dataset that can be read ({type(error).__name__}: {error})"
+                f"{_not_a_source(dataset, 'dataset')} or hub dataset that can be read ({type(error).__name__}: {error})"
+                f"{_did_you_mean(dataset)}"
             ) from error
     if len(rows) == 0:
         raise ValueError(f"dataset {repr(dataset) if isinstance(dataset, str) else '(a datasets.Dataset)'} has no rows")
     return rows
+
+
+_LOAD_ROWS_ARGUMENTS = ("split", "name")
+
+
+def check_dataset_source(dataset: str | Dataset, kwargs: Mapping[str, Any], argument: str = "dataset") -> None:
+    """Raise, before anything is loaded, when ``dataset`` names no rows that ``kwargs`` can apply to.
+
+    A `Dataset` and a :data:`TASKS` name pass. Any other string is a data file, a local folder or a hub id for
+    `load_rows`: a path that looks local (a data-file suffix, or starting with ``.``, ``/`` or ``~``) must exist, and
+    ``kwargs`` may hold only `load_rows`'s ``split`` and ``name`` (a task's arguments such as ``size`` mean a misspelt
+    task, or a task config's ``dataset_kwargs`` left over under a data file).
+
+    Args:
+        dataset: The DataModule argument.
+        kwargs: Its keyword arguments (``dataset_kwargs``).
+        argument: The argument's name, for the messages (``"dataset"``, ``"val_dataset"``, ...).
+
+    Raises:
+        ValueError: ``"<argument> '<name>' is neither a lit_smd task (one of [...]) nor a data file ..."`` (with
+            the closest task name), or naming the ``<argument>_kwargs`` that a data file does not take.
+    """
+    if not isinstance(dataset, str) or dataset in TASKS:
+        return
+    path = Path(dataset).expanduser()
+    looks_local = path.suffix.lower() in _FILE_BUILDERS or dataset.startswith((".", "/", "~"))
+    if looks_local and not path.exists():
+        raise ValueError(f"{_not_a_source(dataset, argument)}: {dataset} does not exist{_did_you_mean(path.stem)}")
+    extra = sorted(set(kwargs) - set(_LOAD_ROWS_ARGUMENTS))
+    if not extra:
+        return
+    if path.exists():
+        raise ValueError(
+            f"{argument}_kwargs {extra} do not apply to the data file {dataset!r}, which takes only "
+            f"{list(_LOAD_ROWS_ARGUMENTS)} (lit_smd.tasks.load_rows); set {argument}_kwargs: {{}} (a task's "
+            "arguments carry over when configs are layered)"
+        )
+    raise ValueError(
+        f"{_not_a_source(dataset, argument)}, and {argument}_kwargs {extra} are a task's arguments (a hub dataset "
+        f"takes only {list(_LOAD_ROWS_ARGUMENTS)}); fix the name, or set {argument}_kwargs: {{}} for a hub dataset"
+        f"{_did_you_mean(dataset)}"
+    )
+
+
+def _not_a_source(dataset: str, argument: str) -> str:
+    """``"<argument> '<name>' is neither a lit_smd task (one of [...]) nor a data file"``."""
+    return f"{argument} {dataset!r} is neither a lit_smd task (one of {sorted(TASKS)}) nor a data file"
+
+
+def _did_you_mean(dataset: str) -> str:
+    """``"; did you mean the task '<task>'?"`` for the task name closest to ``dataset``, or ``""`` when none is."""
+    close = difflib.get_close_matches(dataset, TASKS, n=1)
+    return f"; did you mean the task {close[0]!r}?" if close else ""
 
 
 def prepare_prompts(

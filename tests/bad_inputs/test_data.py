@@ -96,7 +96,8 @@ ROLLOUT_SETUP_ERRORS = [
      r"all 3 prompts are longer than max_prompt_tokens=2 tokens; raise max_prompt_tokens"),
     ("unknown task", "gsm9k", {}, r"dataset 'gsm9k' is neither a lit_smd task \(one of \[.*\]\)"),
     ("missing data file", "/nonexistent/prompts.jsonl", {},
-     r"dataset '/nonexistent/prompts.jsonl' is neither a lit_smd task .* nor a data file or hub dataset"),
+     r"dataset '/nonexistent/prompts.jsonl' is neither a lit_smd task .* nor a data file: /nonexistent/prompts.jsonl "
+     r"does not exist"),
 ]  # fmt: skip
 
 
@@ -203,11 +204,18 @@ def test_unusable_prompts_are_dropped_with_a_logged_count(tokenizer, tiny_policy
     assert data.num_filtered == {"too_long": 1, "empty": 0}
     assert "dropped 1 prompts longer than max_prompt_tokens=7" in caplog.text
     learner = GRPOModule(tiny_policy, mode="smd", compressor=SnapKV(0.5, window=8))
-    with pytest.raises(ValueError, match=r"0 usable prompts cannot fill one step of prompts_per_step=2 on 1 rank"):
+    # SnapKV(0.5, window=8) keeps floor(0.5 * P) prompt keys, at least its window: P >= 16
+    expected = (
+        r"0 usable prompts cannot fill one step of prompts_per_step=2 on 1 rank\(s\) \(filtered: .*'too_short': 2.*\); "
+        r"too_short: 2 prompts are shorter than the 16 tokens the compressor needs, because SnapKV\.budget=0\.5 "
+        r"\(budget_mode='paper'\) keeps floor\(0\.5 \* P\) of a prompt's P keys, which must hold the 8 keys it always "
+        r"keeps \(window=8 \+ sinks=0\): lower its window or sinks, raise its budget fraction or give an absolute "
+        r"\(int\) budget, or use longer prompts$"
+    )
+    with pytest.raises(ValueError, match=expected):
         RolloutStream(data, learner)
     assert data.num_filtered["too_short"] == 2
-    # SnapKV(0.5, window=8) keeps floor(0.5 * P) prompt keys, at least its window: P >= 16
-    assert "dropped 2 prompts shorter than the compressor's 16 tokens" in caplog.text
+    assert "dropped 2 prompts shorter than the compressor's minimum of 16 tokens (set by its window" in caplog.text
 
 
 # (case, the policy's max_position_embeddings, RolloutDataModule keyword arguments, regex): lengths the policy's

@@ -41,11 +41,13 @@ SINGLE_POLICIES = sorted(set(COMPRESSORS) - {"prefill_then_decode"})
 
 # (field, bad value, regex with {cls} for the class name): tried on every registry entry that has the field.
 COMPRESSOR_FIELD_ERRORS = [
-    ("budget", 0, r"{cls}\.budget=0 is smaller than the keys the compressor always keeps; it must be >= \d+"),
+    ("budget", 0, r"{cls}\.budget=0 is smaller than the keys the compressor always keeps; it must be >= \d+ "
+     r"\(window \+ sinks\), or a fraction of the context, a float in \(0, 1\] such as 0\.5$"),
     ("budget", -1, r"{cls}\.budget=-1 is smaller than the keys the compressor always keeps"),
     ("budget", 3, r"{cls}\.budget=3 is smaller .*; it must be >= \d+ \(window \+ sinks\)"),
     ("budget", 0.0, r"{cls}\.budget as a fraction must be in \(0, 1\], got 0\.0"),
-    ("budget", 1.5, r"{cls}\.budget as a fraction must be in \(0, 1\], got 1\.5"),
+    ("budget", 1.5, r"{cls}\.budget as a fraction must be in \(0, 1\], got 1\.5; or give an absolute budget, an "
+     r"int token count >= \d+ \(window \+ sinks\)$"),
     ("budget", NAN, r"{cls}\.budget as a fraction must be in \(0, 1\], got nan"),
     ("budget", "half", r"{cls}\.budget must be an int token count or a float fraction, got 'half'"),
     ("budget", True, r"{cls}\.budget must be an int token count or a float fraction, got True"),

@@ -4,6 +4,7 @@ import json
 import math
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import lightning as L
@@ -202,6 +203,17 @@ def test_all_truncated_and_dense_rollouts_train(tiny_model_factory, tokenizer):
     trainer.fit(learner, data)
     assert float(trainer.callback_metrics["rollout/truncated_fraction"]) > 0.5
     assert "kv/visible_fraction" not in trainer.callback_metrics
+
+
+def test_without_a_val_dataset_fit_runs_no_validation_loop_and_no_empty_list_warning(tiny_model_factory, tokenizer):
+    learner = make_learner(tiny_model_factory, mode="dense")
+    trainer = L.Trainer(max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        accelerator="cpu", enable_model_summary=False)  # fmt: skip
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(learner, make_data(tokenizer))
+    assert trainer.limit_val_batches == 0
+    assert not [w for w in caught if "across ranks is zero" in str(w.message)], [str(w.message) for w in caught]
 
 
 def test_empty_completion_is_scored_as_an_empty_string(tokenizer):

@@ -8,6 +8,7 @@ after the prefill. Expected counts are written out by hand from the module docst
 `lit_smd.kv.budget`.
 """
 
+import re
 import warnings
 
 import pytest
@@ -147,3 +148,22 @@ def test_visible_fraction_by_phase_matches_the_kept_counts_and_brute_force(peaky
             visible = (torch.arange(steps.shape[-1]) <= query) & (query < steps[:, row])  # [L, H, T]
             shares.append(visible.sum(-1).double() / (query + 1))
     assert float(phases["decode"]) == pytest.approx(float(torch.stack(shares).mean()))
+
+
+# (compressor, its shortest valid prompt, regex on min_prompt_reason): the setting that sets the minimum is named.
+MIN_PROMPT_REASONS = [
+    (SnapKV(0.5, window=32, sinks=4), 72,
+     r"^SnapKV\.budget=0\.5 \(budget_mode='paper'\) keeps floor\(0\.5 \* P\) of a prompt's P keys, which must hold "
+     r"the 36 keys it always keeps \(window=32 \+ sinks=4\)$"),
+    (SnapKV(64, window=32), 32, r"^SnapKV's observation window \(SnapKV\.window=32\) must fit inside every prompt$"),
+    (PrefillThenDecode(SnapKV(0.5, window=2), H2O(0.5, window=8, sinks=4)), 24,
+     r"^PrefillThenDecode\.decode\.budget=0\.5 .* must hold the 12 keys it always keeps \(window=8 \+ sinks=4\)$"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("compressor", "length", "pattern"), MIN_PROMPT_REASONS, ids=["snapkv", "window", "pair"])
+def test_min_prompt_reason_names_the_setting_behind_the_minimum(compressor, length, pattern):
+    from lit_smd.kv.compressors import min_prompt_reason
+
+    assert compressor.min_prompt_length == length
+    assert re.search(pattern, min_prompt_reason(compressor)), min_prompt_reason(compressor)

@@ -152,6 +152,29 @@ def test_signal_based_timeouts_in_a_worker_thread_get_a_hint() -> None:
     assert WeightedRewards([default_math_verify], timeout=None)(["p"], ["$1$"]).total.tolist() == [1.0]
 
 
+def _brevity(completions: Sequence[Any], **kwargs: Any) -> list[float]:
+    """README's TRL-style example: conversational completions only."""
+    return [-len(c[0]["content"]) / 1000 for c in completions]
+
+
+def _shouting(completions: Sequence[Any], **kwargs: Any) -> list[float]:
+    """Plain-text completions only."""
+    return [float(c.isupper()) for c in completions]
+
+
+def test_a_function_written_for_the_other_completion_form_names_the_form_and_the_reader() -> None:
+    """TRL's conversational ``c[0]["content"]`` on a plain-text task (and string methods on messages) fail with
+    what the completions are and `completion_text`, which reads either form."""
+    plain, chat = ["ok"], [[{"role": "assistant", "content": "ok"}]]
+    with pytest.raises(RuntimeError, match=r"'_brevity' failed: TypeError: .*\(completions are plain strings here "
+                       r"\(a plain-text dataset\); .*lit_smd\.rewards\.completion_text\(completion\)\)$"):
+        WeightedRewards([_brevity])(["p"], plain)
+    with pytest.raises(RuntimeError, match=r"'_shouting' failed: AttributeError: .*\(completions are message lists "
+                       r"here, .*\(a conversational dataset\); .*completion_text\(completion\)\)$"):
+        WeightedRewards([_shouting], timeout=None)(["p"], chat)
+    assert WeightedRewards([_brevity])(["p"], chat).total.tolist() == pytest.approx([-0.002])
+
+
 def test_rejects_bad_configuration() -> None:
     with pytest.raises(ValueError, match="share the names"):
         WeightedRewards([math_answer_reward, math_answer_reward])

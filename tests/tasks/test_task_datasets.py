@@ -137,3 +137,45 @@ def test_resolve_dataset_by_task_name_path_or_object():
     assert len(resolve_dataset("arithmetic", size=3, seed=0)) == 3
     fixture = Path(__file__).resolve().parents[1] / "fixtures" / "gsm8k.jsonl"
     assert "question" in resolve_dataset(str(fixture)).column_names
+
+
+# (case, dataset, dataset_kwargs, regex): the name is resolved before the kwargs (a task's) are applied.
+QUICKSTART_KWARGS = {"size": 64, "num_pairs": 6, "max_value": 99, "style": "compact", "seed": 3}
+SOURCE_ERRORS = [
+    ("task typo", "key_value_retrival", QUICKSTART_KWARGS,
+     r"dataset 'key_value_retrival' is neither a lit_smd task \(one of \[.*\]\) nor a data file, and dataset_kwargs "
+     r"\['max_value', 'num_pairs', 'seed', 'size', 'style'\] are a task's arguments .*set dataset_kwargs: \{\} for a "
+     r"hub dataset; did you mean the task 'key_value_retrieval'\?$"),
+    ("missing data file", "data/train.jsonl", QUICKSTART_KWARGS,
+     r"dataset 'data/train.jsonl' is neither a lit_smd task \(one of \[.*\]\) nor a data file: data/train.jsonl does "
+     r"not exist$"),
+    ("missing folder", "./data", {}, r"dataset './data' is neither a lit_smd task .* nor a data file: ./data does not"),
+    ("task kwargs on a data file", str(FIXTURES / "gsm8k.jsonl"), QUICKSTART_KWARGS,
+     r"dataset_kwargs \['max_value', 'num_pairs', 'seed', 'size', 'style'\] do not apply to the data file "
+     r"'.*gsm8k.jsonl', which takes only \['split', 'name'\] \(lit_smd.tasks.load_rows\); set dataset_kwargs: \{\}"),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(
+    ("dataset", "kwargs", "pattern"), [c[1:] for c in SOURCE_ERRORS], ids=[c[0] for c in SOURCE_ERRORS]
+)
+def test_resolve_dataset_names_the_source_before_applying_its_kwargs(dataset, kwargs, pattern, tmp_path, monkeypatch):
+    from lit_smd.tasks import resolve_dataset
+
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match=pattern):
+        resolve_dataset(dataset, **kwargs)
+
+
+def test_check_dataset_source_names_the_argument_and_passes_valid_sources():
+    from datasets import Dataset
+
+    from lit_smd.tasks import check_dataset_source
+
+    check_dataset_source(Dataset.from_dict({"prompt": ["a"]}), {"size": 3})
+    check_dataset_source("arithmetic", {"size": 3})
+    check_dataset_source(str(FIXTURES / "gsm8k.jsonl"), {"split": "train"})
+    check_dataset_source("openai/gsm8k", {"name": "main", "split": "test"})  # a hub id: nothing to check offline
+    expected = r"^val_dataset 'gsm9k' is neither .*val_dataset_kwargs.*did you mean the task 'gsm8k'\?$"
+    with pytest.raises(ValueError, match=expected):
+        check_dataset_source("gsm9k", {"size": 8}, "val_dataset")
