@@ -65,6 +65,7 @@ import gc
 import json
 import math
 import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -127,8 +128,9 @@ def synthetic_evict_steps(
     * Prefill (SnapKV, once per prompt, so shared by the prompt's samples): ``P - floor(r P)`` random prompt keys
       outside the last ``window`` positions leave at ``e = P`` (seen by the prompt, by no completion token).
     * Decode (H2O, per sample): key ``i`` joins the cache at query ``i``; whenever the cache would hold more than
-      ``floor(r (i + 1))`` keys, one leaves (``e = i``): with probability ``q`` a random surviving prompt key (sinks
-      excepted), otherwise the decode key just leaving the recent window, ``window + 1 + d`` positions old.
+      ``floor(r (i + 1))`` keys, one leaves after query ``i`` attended (``e = i + 1``, as the rollout records it):
+      with probability ``q`` a random surviving prompt key (sinks excepted), otherwise the decode key just leaving
+      the recent window, ``window + 1 + d`` positions old (a prompt key while no decode key has left the window).
 
     Every key is evicted at most once and never returns; the mask follows `lit_smd.kv.ShadowMask`'s contract.
     """
@@ -151,7 +153,7 @@ def synthetic_evict_steps(
     queries = torch.arange(prompt_len, total)  # query i appends key i
     needed = (kept + queries - prompt_len + 1 - torch.floor(pattern.budget * (queries + 1)).long()).clamp(min=0)
     needed = torch.cummax(needed, 0).values
-    times = queries[torch.diff(needed, prepend=torch.zeros(1, dtype=torch.long)) > 0]  # [K]
+    times = queries[torch.diff(needed, prepend=torch.zeros(1, dtype=torch.long)) > 0] + 1  # [K]: after query i
     if times.numel() == 0:
         return steps[..., :total].contiguous()
     gaps = torch.diff(times, prepend=times[:1] - 1)
@@ -207,7 +209,7 @@ def visible_fraction(rollout: Rollout) -> float | None:
     return None if mask is None else float(mask.visible_fraction(rollout.prompt_lengths, rollout.completion_mask))
 
 
-def mask_statistics(rollout: Rollout) -> dict[str, float]:
+def mask_statistics(rollout: Rollout, window: int) -> dict[str, float]:
     """How a rollout's shadow mask evicts: the figures `calibrate` compares between a real and a synthetic mask."""
     steps = rollout.shadow_mask.evict_steps.long()  # [L, B, H, T]
     prompt_len = int(rollout.prompt_lengths[0])
@@ -216,6 +218,7 @@ def mask_statistics(rollout: Rollout) -> dict[str, float]:
     in_prompt = keys < prompt_len
     at_prefill = evicted & (steps <= prompt_len) & in_prompt
     decode_phase = evicted & ~at_prefill
+    late = decode_phase & (steps > prompt_len + window + 1)
     lifetimes = (steps - keys)[decode_phase & ~in_prompt].double()
     phases = rollout.shadow_mask.visible_fraction_by_phase(rollout.prompt_lengths, rollout.completion_mask)
     return {
@@ -224,6 +227,8 @@ def mask_statistics(rollout: Rollout) -> dict[str, float]:
         "visible_decode": float(phases["decode"]),
         "prefill_dropped": float(at_prefill.sum() / (in_prompt.sum() * steps[..., 0].numel())),
         "prompt_share": float((decode_phase & in_prompt).sum() / decode_phase.sum().clamp(min=1)),
+        # the same once decode keys have left the recent window (before, only prompt keys can go): q
+        "prompt_share_late": float((late & in_prompt).sum() / late.sum().clamp(min=1)),
         "decode_evicted": float((decode_phase & ~in_prompt).sum() / ((~in_prompt).sum() * steps[..., 0].numel())),
         "lifetime_median": float(lifetimes.median()) if lifetimes.numel() else float("nan"),
         "lifetime_p90": float(lifetimes.quantile(0.9)) if lifetimes.numel() else float("nan"),
@@ -243,14 +248,14 @@ def calibrate(args: argparse.Namespace) -> tuple[MaskPattern, dict[str, Any]]:
     pattern = MaskPattern(budget=args.budget, window=args.window, sinks=args.sinks)
     prompt_len, new_tokens = args.calibration_lengths
     model = build_model("tiny", torch.float32)
-    real = mask_statistics(real_rollout(model, prompt_len, new_tokens, args.num_samples, pattern))
+    real = mask_statistics(real_rollout(model, prompt_len, new_tokens, args.num_samples, pattern), args.window)
     if args.prompt_share is None:
-        pattern.prompt_share = real["prompt_share"]
+        pattern.prompt_share = real["prompt_share_late"]
     else:
         pattern.prompt_share = args.prompt_share
     synthetic = mask_statistics(synthetic_rollout(
         model_config("tiny"), prompt_len, new_tokens, 1, args.num_samples, pattern
-    ))  # fmt: skip
+    ), args.window)  # fmt: skip
     return pattern, {"prompt_len": prompt_len, "new_tokens": new_tokens, "real": real, "synthetic": synthetic}
 
 
@@ -580,6 +585,7 @@ def calibration_text(calibration: dict[str, Any], pattern: MaskPattern) -> str:
     real, synthetic = calibration["real"], calibration["synthetic"]
     names = [("visible", "visible fraction (completion tokens)"), ("visible_prompt", "prompt keys kept by prefill"),
              ("visible_decode", "visible fraction, decode tokens"), ("prompt_share", "decode evictions of prompt keys"),
+             ("prompt_share_late", "the same, after the first window + 1 decode steps (q)"),
              ("decode_evicted", "decode keys evicted"), ("lifetime_median", "evicted decode key lifetime, median"),
              ("lifetime_p90", "evicted decode key lifetime, p90")]  # fmt: skip
     rows = [[label, C.fmt(real[key], ".3g"), C.fmt(synthetic[key], ".3g")] for key, label in names]
@@ -601,6 +607,8 @@ def run_issue_table(args: argparse.Namespace, payload: dict[str, Any]) -> str:
     rows = []
     folder = tempfile.mkdtemp(prefix="bench_long_context_")
     policy = build_model("tiny", C.DTYPES[args.dtype])  # the workers build the same seeded weights
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # sampling: one thread (much faster on a loaded CPU); the workers use --threads
     for new_tokens in args.issue_new_tokens:
         start = time.perf_counter()
         rollout = real_rollout(policy, args.issue_prompt_len, new_tokens, args.num_samples, pattern)
@@ -610,6 +618,9 @@ def run_issue_table(args: argparse.Namespace, payload: dict[str, Any]) -> str:
             "sample_s": time.perf_counter() - start, "visible": visible_fraction(rollout)}
         print(f"  issue: sampled the {new_tokens}-token rollout in {time.perf_counter() - start:.1f} s, visible "
               f"fraction {visible_fraction(rollout):.3f}", file=sys.stderr, flush=True)  # fmt: skip
+    torch.set_num_threads(threads)
+    for new_tokens in args.issue_new_tokens:
+        path = os.path.join(folder, f"rollout_{new_tokens}.pt")
         for layout in LAYOUTS:
             for mode in ("dense", "smd"):  # the dense view / the shadow view of the same compressed rollout
                 spec = cell_spec(args, "tiny", mode, layout, args.issue_prompt_len, new_tokens, pattern, kind="pass",
@@ -628,6 +639,7 @@ def run_issue_table(args: argparse.Namespace, payload: dict[str, Any]) -> str:
         print(f"  issue: score {mode}: {_cell(rows[-1])}", file=sys.stderr, flush=True)
         payload["results"] = rows
         C.write_json(args.json, payload)
+    shutil.rmtree(folder, ignore_errors=True)
 
     def find(kind: str, layout: str, view: str, new: int) -> dict[str, Any] | None:
         return next((r for r in rows if (r["kind"], r["layout"], r["view"], r["new_tokens"]) == (kind, layout, view,
@@ -716,7 +728,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if args.num_samples < 2:
         raise SystemExit(f"--num-samples must be >= 2 (a GRPO group), got {args.num_samples}")
     device = C.resolve_device(args.device)
-    C.apply_threads(args.threads, device)
+    C.apply_threads(args.threads, device)  # what the workers use; the environment below records it
     env = C.environment(device)
     payload: dict[str, Any] = {"benchmark": "long_context", "environment": env, "config": vars(args), "results": []}
     title = "# Long context: " + ("issue #28's table" if args.issue_table else "the GRPO learner step over length")
