@@ -389,9 +389,10 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
         rollout = make(prompt_len, new_tokens)
     visible = visible_fraction(rollout)
     probe = Probe(device)
-    peaks, times = [], []
+    peaks, times, bases = [], [], []
     for _ in range(spec["repeats"]):
         probe.start()
+        bases.append(probe.base)
         C.synchronize(device)
         start = time.perf_counter()
         step(rollout)
@@ -400,8 +401,7 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
         peaks.append(probe.rise())
     return {
         "peak_bytes": max(peaks), "median_s": statistics.median(times), "times_s": times, "peaks_bytes": peaks,
-        "visible": visible, "base_rss_bytes": _proc_kib("VmRSS") * 1024 if device.type == "cpu" else None,
-        "max_rss_bytes": _proc_kib("VmHWM") * 1024 if device.type == "cpu" else None,
+        "visible": visible, "base_bytes": max(bases),  # resident (CPU) or allocated (CUDA) before the step
     }  # fmt: skip
 
 
@@ -464,7 +464,7 @@ def slope(points: list[tuple[int, float]]) -> float | None:
 
 def predict_peak(history: list[dict[str, Any]], length: int) -> int | None:
     """Predicted peak (rise plus the worker's resident base) at ``length`` from the same series' measured cells."""
-    done = [(r["length"], r["peak_bytes"], r["base_rss_bytes"] or 0) for r in history if r["status"] == "ok"]
+    done = [(r["length"], r["peak_bytes"], r["base_bytes"]) for r in history if r["status"] == "ok"]
     if not done:
         return None
     if len(done) >= 2:
