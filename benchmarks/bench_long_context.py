@@ -315,6 +315,18 @@ def _proc_kib(field: str, pid: int | str = "self") -> int:
     raise RuntimeError(f"{field} not in /proc/{pid}/status")
 
 
+def release_freed_memory() -> None:
+    """What ``MALLOC_MMAP_THRESHOLD_=64K`` does for the workers, for this process (glibc): blocks of 64 KiB and more
+    get their own mappings, so freed tensors leave the resident size and one cell's peak does not hide in the next's
+    free lists."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+    except OSError:
+        pass
+
+
 def mem_available() -> int:
     with open("/proc/meminfo") as meminfo:
         for line in meminfo:
@@ -699,7 +711,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--quick", action="store_true",
                         help="seconds-long smoke run (tiny model, tiny lengths, --in-process): measures nothing")
     parser.add_argument("--in-process", action="store_true",
-                        help="run every cell in this process (no fresh process, no memory guard): for smoke runs")
+                        help="run every cell in this process: no import per cell (minutes each on a loaded CPU), but "
+                        "no memory guard, and a cell's peak may hide in memory an earlier cell left")
     parser.add_argument("--issue-table", action="store_true", help="reproduce issue #28's table instead of the grid")
     parser.add_argument("--issue-prompt-len", type=int, default=256)
     parser.add_argument("--issue-new-tokens", type=int, nargs="+", default=[1024, 4096])
@@ -725,6 +738,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                       "--issue-score-new-tokens", "16"] + argv)  # fmt: skip
     if args.threads is None:  # the issue's table was measured with 2 threads; the grid uses the benchmarks' 1
         args.threads = 2 if args.issue_table else 1
+    if args.in_process:
+        release_freed_memory()
     if args.num_samples < 2:
         raise SystemExit(f"--num-samples must be >= 2 (a GRPO group), got {args.num_samples}")
     device = C.resolve_device(args.device)
@@ -732,14 +747,16 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     env = C.environment(device)
     payload: dict[str, Any] = {"benchmark": "long_context", "environment": env, "config": vars(args), "results": []}
     title = "# Long context: " + ("issue #28's table" if args.issue_table else "the GRPO learner step over length")
-    print(f"{title}\n\n{C.describe(env)}; one fresh subprocess per cell\n", flush=True)
+    where = ("every cell in this process (--in-process; glibc mmap threshold 64 KiB)" if args.in_process
+             else "one fresh subprocess per cell")  # fmt: skip
+    print(f"{title}\n\n{C.describe(env)}; {where}\n", flush=True)
     try:
         if args.issue_table:
             text = (
                 f"One learner pass with gradient (the pass, the chunked log-prob head, backward of the summed "
                 f"log-probs) over a real SnapKV-then-H2O {args.budget} rollout: tiny Qwen3 (2 layers, hidden 64, "
                 f"4/2 heads, vocab 256), {args.issue_prompt_len}-token prompt x {args.num_samples} samples; and "
-                f"score() without gradient. Peak RSS rise of the pass (VmHWM, fresh process per cell), time of the "
+                f"score() without gradient. Peak RSS rise of the pass (VmHWM; {where}), time of the "
                 f"pass (median of {args.repeats}), {args.threads} threads. Ratios: shadow view against the dense view "
                 "of the same path, same run. Times indicative: the CPU is shared.\n\n"
                 + run_issue_table(args, payload)
@@ -753,7 +770,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 calibration_text(calibration, pattern) + "\n\n"
                 f"GRPO learner step (forward + backward; smd adds the dense no-grad teacher and the KL, kl_coef "
                 f"{args.kl_coef}), {args.dtype}, {args.threads} threads. Peak = resident high-water mark rise of the "
-                f"step in a fresh process; time = median of {args.repeats} step(s). (x) = against dense of the same "
+                f"step ({where}); time = median of {args.repeats} step(s). (x) = against dense of the same "
                 "length and layout, same run. Times on a shared CPU are indicative.\n\n"
                 + grid_tables(payload["results"], args)
             )
@@ -761,7 +778,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         C.interrupted(payload, args.json)
         text = grid_tables(payload["results"], args) if payload["results"] and not args.issue_table else ""
     print(text)
-    C.write_markdown(args.markdown, title + "\n\n" + C.describe(env) + "\n\n" + text)
+    C.write_markdown(args.markdown, f"{title}\n\n{C.describe(env)}; {where}\n\n{text}")
     return payload
 
 
