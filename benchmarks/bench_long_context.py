@@ -738,7 +738,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                       "--issue-score-new-tokens", "16"] + argv)  # fmt: skip
     if args.threads is None:  # the issue's table was measured with 2 threads; the grid uses the benchmarks' 1
         args.threads = 2 if args.issue_table else 1
-    if args.in_process:
+    if args.in_process and not args.quick:  # (not in a smoke run, which may share its process with tests)
         release_freed_memory()
     if args.num_samples < 2:
         raise SystemExit(f"--num-samples must be >= 2 (a GRPO group), got {args.num_samples}")
