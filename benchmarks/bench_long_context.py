@@ -747,8 +747,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     env = C.environment(device)
     payload: dict[str, Any] = {"benchmark": "long_context", "environment": env, "config": vars(args), "results": []}
     title = "# Long context: " + ("issue #28's table" if args.issue_table else "the GRPO learner step over length")
-    where = ("every cell in this process (--in-process; glibc mmap threshold 64 KiB)" if args.in_process
-             else "one fresh subprocess per cell")  # fmt: skip
+    where = "one fresh subprocess per cell"
+    if args.in_process:
+        where = "every cell in this process" + ("" if args.quick else " (--in-process; glibc mmap threshold 64 KiB)")
     print(f"{title}\n\n{C.describe(env)}; {where}\n", flush=True)
     try:
         if args.issue_table:
