@@ -53,8 +53,8 @@ Usage::
 
     python benchmarks/bench_long_context.py --quick             # seconds (minutes under load): does it still run?
     python benchmarks/bench_long_context.py --issue-table       # issue #28's table (~30 min on a loaded 2-core CPU)
-    python benchmarks/bench_long_context.py --models tiny --lengths 1024 4096 8192 --json long.json
-    python benchmarks/bench_long_context.py                               # the full grid: 1k-32k, tiny and 135m
+    python benchmarks/bench_long_context.py --models tiny --lengths 1024 4096 8192 --in-process --json long.json
+    python benchmarks/bench_long_context.py                     # the full grid: 1k-32k, tiny and 135m (hours)
     python benchmarks/bench_long_context.py --models 135m --sweeps prompt --modes dense smd --layouts shared_prefix
 """
 
