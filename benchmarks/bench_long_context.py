@@ -757,9 +757,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"One learner pass with gradient (the pass, the chunked log-prob head, backward of the summed "
                 f"log-probs) over a real SnapKV-then-H2O {args.budget} rollout: tiny Qwen3 (2 layers, hidden 64, "
                 f"4/2 heads, vocab 256), {args.issue_prompt_len}-token prompt x {args.num_samples} samples; and "
-                f"score() without gradient. Peak RSS rise of the pass (VmHWM; {where}), time of the "
-                f"pass (median of {args.repeats}), {args.threads} threads. Ratios: shadow view against the dense view "
-                "of the same path, same run. Times indicative: the CPU is shared.\n\n"
+                f"score() without gradient. Peak RSS rise of the pass (VmHWM), {where}; time of the "
+                f"pass (median of {args.repeats}), {args.threads} torch thread(s). Ratios: shadow view against the "
+                "dense view of the same path, same run. Times indicative: the CPU is shared.\n\n"
                 + run_issue_table(args, payload)
             )
         else:
@@ -770,8 +770,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             text = (
                 calibration_text(calibration, pattern) + "\n\n"
                 f"GRPO learner step (forward + backward; smd adds the dense no-grad teacher and the KL, kl_coef "
-                f"{args.kl_coef}), {args.dtype}, {args.threads} threads. Peak = resident high-water mark rise of the "
-                f"step ({where}); time = median of {args.repeats} step(s). (x) = against dense of the same "
+                f"{args.kl_coef}), {args.dtype}, {args.threads} torch thread(s). Peak = resident high-water mark "
+                f"rise of the step, {where}; time = median of {args.repeats} step(s). (x) = against dense of the same "
                 "length and layout, same run. Times on a shared CPU are indicative.\n\n"
                 + grid_tables(payload["results"], args)
             )
