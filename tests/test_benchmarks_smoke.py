@@ -139,3 +139,22 @@ def test_long_context_synthetic_mask_follows_the_budget():
     for query in range(prompt_len, prompt_len + new):  # after each decode query: at most floor(r (i + 1)) keys kept
         kept = (steps[..., : query + 1] > query + 1).sum(-1)
         assert bool((kept <= (query + 1) // 2).all())
+
+
+def test_long_context_slope_and_memory_guard():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        bench = importlib.import_module("bench_long_context")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    assert bench.slope([(4096, 3.0 * 4096), (8192, 3.0 * 8192), (16384, 3.0 * 16384)]) == pytest.approx(1.0)
+    assert bench.slope([(4096, 4096.0**2), (8192, 8192.0**2)]) == pytest.approx(2.0)
+    assert bench.slope([(4096, 1.0)]) is None
+    ok = {"status": "ok", "base_bytes": 100}
+    history = [{**ok, "length": 1000, "peak_bytes": 10}]
+    assert bench.predict_peak([], 2000) is None
+    assert bench.predict_peak(history, 2000) == 100 + 40  # one point: assumed quadratic
+    history.append({**ok, "length": 2000, "peak_bytes": 20})
+    assert bench.predict_peak(history, 4000) == 100 + 40  # linear from the last two
+    history.append({**ok, "length": 4000, "peak_bytes": 30})
+    assert bench.predict_peak(history, 8000) == 100 + 60  # never extrapolated below linear
