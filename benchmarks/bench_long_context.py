@@ -519,7 +519,8 @@ def run_grid(args: argparse.Namespace, pattern: MaskPattern, payload: dict[str, 
                         predicted = predict_peak(history, length)
                         stopped = next((r for r in history if r["status"] != "ok"), None)
                         if stopped is not None:
-                            result = {"status": f"skipped: {stopped['status'].split(':')[0]} at {stopped['length']}"}
+                            word = stopped["status"].split(":")[0]
+                            result = {"status": f"skipped: series stopped at {stopped['length']} ({word})"}
                         elif predicted is not None and predicted > limit:
                             result = {"status": f"skipped: predicted {predicted / GIB:.1f} GiB > {limit / GIB:.1f}"}
                         else:
