@@ -34,6 +34,7 @@ PARTS = {
     "kl_loss": "bench_kl_loss.py",
     "teacher_cache": "bench_teacher_cache.py",
     "bf16_learner": "bench_bf16_learner.py",
+    "long_context": "bench_long_context.py",
 }
 """Part name -> script in this folder."""
 
@@ -57,6 +58,7 @@ QUICK_ARGS = {
     "bf16_learner": [*_TINY_MODEL, "--intermediate-size", "128", "--vocab-size", "256", "--prompt-lens", "24", "20",
                      "--num-samples", "2", "--new-tokens", "6", "--window", "4", "--sinks", "1", "--repeats", "1",
                      "--with-native"],
+    "long_context": ["--quick"],
 }
 """Smallest flags per part (``--quick``); a few seconds each on CPU."""
 

@@ -98,3 +98,63 @@ def test_bf16_learner_benchmark(run_all, tmp_path):
     assert set(results) == {"float32", "bfloat16", "bfloat16_native"}
     assert results["float32"]["vs_float32"] == 1.0
     assert all(r["median_s"] > 0 for r in results.values())
+
+
+def test_long_context_benchmark(run_all, tmp_path):
+    payload = _run(run_all, "long_context", tmp_path)
+    results = {(r["sweep"], r["length"], r["layout"], r["mode"]): r for r in payload["results"]}
+    assert set(results) == {(sweep, length, layout, mode) for sweep in ("prompt", "completion") for length in (64, 96)
+                            for layout in ("shared_prefix", "per_row") for mode in ("dense", "naive", "smd")}
+    for (_, _, _, mode), row in results.items():
+        assert row["status"] == "ok" and row["median_s"] > 0 and row["peak_bytes"] >= 0
+        assert (row["visible"] is None) == (mode == "dense")
+        if mode != "dense":  # the synthetic SnapKV-then-H2O mask keeps about half of the keys
+            assert 0.4 < row["visible"] < 0.6
+    real, synthetic = payload["calibration"]["real"], payload["calibration"]["synthetic"]
+    assert abs(real["visible"] - synthetic["visible"]) < 0.05
+    assert "log-log slope" in (tmp_path / "long_context.md").read_text()
+
+
+def test_long_context_synthetic_mask_follows_the_budget():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        bench = importlib.import_module("bench_long_context")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    import torch
+
+    from lit_smd.kv import NEVER
+
+    pattern = bench.MaskPattern(budget=0.5, window=8, sinks=2, prompt_share=0.1)
+    prompt_len, new = 40, 60
+    steps = bench.synthetic_evict_steps(2, 2, 3, 2, prompt_len, new, pattern).long()  # [L, 6, H, P + N]
+    assert steps.shape == (2, 6, 2, prompt_len + new)
+    keys = torch.arange(prompt_len + new)
+    assert bool((steps > keys).all())  # a key is seen at least by its own query
+    sinks = steps[..., :2]  # SnapKV may drop them at prefill; H2O keeps what is left
+    assert bool(((sinks == NEVER) | (sinks == prompt_len)).all())
+    prefill = (steps[..., :prompt_len] == prompt_len).view(2, 2, 3, 2, prompt_len)  # [L, prompt, sample, H, P]
+    assert bool((prefill == prefill[:, :, :1]).all())  # SnapKV's drops are shared by the samples of a prompt
+    assert bool((prefill.sum(-1) == prompt_len // 2).all())
+    for query in range(prompt_len, prompt_len + new):  # after each decode query: at most floor(r (i + 1)) keys kept
+        kept = (steps[..., : query + 1] > query + 1).sum(-1)
+        assert bool((kept <= (query + 1) // 2).all())
+
+
+def test_long_context_slope_and_memory_guard():
+    sys.path.insert(0, str(BENCHMARKS))
+    try:
+        bench = importlib.import_module("bench_long_context")
+    finally:
+        sys.path.remove(str(BENCHMARKS))
+    assert bench.slope([(4096, 3.0 * 4096), (8192, 3.0 * 8192), (16384, 3.0 * 16384)]) == pytest.approx(1.0)
+    assert bench.slope([(4096, 4096.0**2), (8192, 8192.0**2)]) == pytest.approx(2.0)
+    assert bench.slope([(4096, 1.0)]) is None
+    ok = {"status": "ok", "base_bytes": 100}
+    history = [{**ok, "length": 1000, "peak_bytes": 10}]
+    assert bench.predict_peak([], 2000) is None
+    assert bench.predict_peak(history, 2000) == 100 + 40  # one point: assumed quadratic
+    history.append({**ok, "length": 2000, "peak_bytes": 20})
+    assert bench.predict_peak(history, 4000) == 100 + 40  # linear from the last two
+    history.append({**ok, "length": 4000, "peak_bytes": 30})
+    assert bench.predict_peak(history, 8000) == 100 + 60  # never extrapolated below linear

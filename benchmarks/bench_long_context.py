@@ -1,0 +1,788 @@
+"""Long context: the GRPO learner step's peak memory and time over prompt and completion length, per mode and layout.
+
+One cell = one model, one sweep (long prompt with a short completion, or short prompt with a long completion), one
+length, one mode and one learner layout. Each cell runs in a **fresh subprocess** (``MALLOC_MMAP_THRESHOLD_=64K``, so
+freed tensors go back to the OS) that builds the seeded model and the rollout, runs a small warm-up step, then the
+measured step(s): the code of `lit_smd.modules.GRPOModule.training_step` on one on-policy batch, called through the
+same functions (`lit_smd.modules._grpo_smd.grpo_pass`, which runs `lit_smd.learner.learner_hidden_states`; the
+chunked log-prob head `lit_smd.losses.token_logprobs_and_entropy`; `lit_smd.losses.group_advantages` and
+`lit_smd.losses.policy_loss`; for ``smd`` the shadow-masked pass plus `lit_smd.modules._grpo_smd.smd_kl`, whose
+no-grad dense teacher is `lit_smd.learner.dense_hidden_states`), then ``loss.backward()``. No optimizer step.
+
+- **peak MiB**: the resident high-water mark during the step (``VmHWM``, reset through ``/proc/self/clear_refs``)
+  minus the resident size before it (model, rollout and inputs already built); on CUDA
+  ``torch.cuda.max_memory_allocated`` above ``memory_allocated`` before the step. The largest over the repeats.
+- **time**: wall time of the step, median over ``--repeats``.
+- Ratios are against ``dense`` of the same model, sweep, length and layout, measured in the same run.
+- **slope**: least-squares slope of log(peak) against log(length) over the lengths measured within
+  ``--slope-range`` (default 4k..32k), per model, sweep, mode and layout (1 = linear, 2 = quadratic).
+
+Modes: ``dense`` (a dense rollout, no shadow mask; dense learner view), ``naive`` (a compressed rollout, dense learner
+view: the same learner work as dense, with the rollout's shadow mask carried along unused), ``smd`` (the shadow-masked
+view, plus the dense no-grad teacher and the chunked full-vocabulary KL, ``kl_coef`` ``--kl-coef``). Layouts:
+``shared_prefix`` (GRPO's default: one packed row ``[prompt | c_1 | ... | c_G]`` per group) and ``per_row`` (one row
+per sample: ``score()``, ``learner_layout="per_row"``, fallback rows, and SMD under FSDP2).
+
+**The shadow masks are synthetic.** Sampling a compressed rollout of 8-32k tokens is far too slow on a CPU, so each
+cell's `lit_smd.rollout.Rollout` has random token ids and a `lit_smd.kv.ShadowMask` that mimics SnapKV-then-H2O in
+``paper`` budget mode at ``--budget`` (see `synthetic_evict_steps`): the prefill drops ``P - floor(r P)`` prompt keys
+outside the last ``--window`` positions at ``e = P`` (the same keys for every sample of a prompt), and decoding
+evicts one key whenever the cache would exceed ``floor(r (i + 1))``: the decode key just leaving the recent window
+(lifetime ``window + 1`` plus a little jitter, H2O's behaviour on fresh low-score keys) or, with probability ``q``,
+a random surviving prompt key (never one of the first ``--sinks``). ``q`` and the decode lifetimes are calibrated
+at the start of the run on a **real** SnapKV-then-H2O rollout (`lit_smd.rollout.generate`, tiny model,
+``--calibration-lengths``); the run prints the real rollout's figures beside the synthetic mask's at the same size,
+and every cell's visible fraction.
+
+Memory guard: before a cell, its peak is predicted from the same series' shorter lengths (the slope of the last two,
+at least 1; 2 with one point) and the cell is skipped when the prediction passes the memory limit
+(``--memory-limit-gib``, capped by ``MemAvailable`` minus a margin at the time); a watchdog kills a worker whose
+resident size passes the limit, or that runs longer than ``--max-seconds``. A skipped, killed or timed-out cell is
+named as such in the tables, and the longer lengths of its series are skipped.
+
+``--issue-table`` reproduces issue #28's table instead: tiny Qwen3 (2 layers, hidden 64, 4/2 heads, vocab 256), one
+256-token prompt x 2 samples, 1024 and 4096 completion tokens, one learner pass with gradient (the pass, the chunked
+log-prob head and ``backward`` of the summed completion log-probs; no KL) per layout and view, and ``score(model,
+rollout, shadow=True / False)`` without gradient at an 8192-token prompt (``--issue-score-new-tokens`` completion
+tokens, default 256); peak RSS rise and time, 2 threads, a real SnapKV-then-H2O rollout at 0.5 (the 8k score
+rollout is synthetic, as above: sampling it would take longer than the measurement).
+
+Times on the shared development CPUs are indicative: other jobs use the same cores. Compare ratios within one run.
+
+Usage::
+
+    python benchmarks/bench_long_context.py --quick             # seconds (minutes under load): does it still run?
+    python benchmarks/bench_long_context.py --issue-table       # issue #28's table (~30 min on a loaded 2-core CPU)
+    python benchmarks/bench_long_context.py --models tiny --lengths 1024 4096 8192 --in-process --json long.json
+    python benchmarks/bench_long_context.py                     # the full grid: 1k-32k, tiny and 135m (hours)
+    python benchmarks/bench_long_context.py --models 135m --sweeps prompt --modes dense smd --layouts shared_prefix
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import _common as C
+import torch
+
+from lit_smd.kv import NEVER, ShadowMask
+from lit_smd.learner import learner_hidden_states, score
+from lit_smd.losses import group_advantages, policy_loss, token_logprobs_and_entropy
+from lit_smd.losses.head import output_head
+from lit_smd.modules._grpo_smd import grpo_pass, smd_kl
+from lit_smd.rollout import Rollout, generate
+
+MODES = ("dense", "naive", "smd")
+LAYOUTS = ("shared_prefix", "per_row")
+SWEEPS = ("prompt", "completion")
+"""``prompt``: the prompt is ``length`` tokens, the completion ``--short``; ``completion``: the other way round."""
+
+MODELS: dict[str, dict[str, Any]] = {
+    "tiny": {"family": "qwen3", "hidden_size": 64, "num_layers": 2, "num_heads": 4, "num_kv_heads": 2,
+             "head_dim": 16, "intermediate_size": 128, "vocab_size": 256, "tie_word_embeddings": False},
+    "135m": {"family": "llama", "hidden_size": 576, "num_layers": 30, "num_heads": 9, "num_kv_heads": 3,
+             "head_dim": 64, "intermediate_size": 1536, "vocab_size": 49152, "tie_word_embeddings": True},
+}  # fmt: skip
+"""``tiny``: attention dominates (the issue's tiny Qwen3); ``135m``: the SmolLM2-135M shape, random init."""
+
+QUICK = ["--models", "tiny", "--lengths", "64", "96", "--short", "16", "--num-samples", "2", "--window", "8",
+         "--sinks", "2", "--calibration-lengths", "48", "24", "--slope-range", "64", "96", "--in-process"]  # fmt: skip
+"""What ``--quick`` sets (before any other flag, so flags given with it still win)."""
+
+GIB = 2**30
+
+
+# ------------------------------------------------------------------------------------------------ synthetic rollout
+
+
+@dataclass
+class MaskPattern:
+    """What the synthetic shadow mask imitates (see `synthetic_evict_steps`)."""
+
+    budget: float = 0.5
+    window: int = 32
+    sinks: int = 4
+    prompt_share: float = 0.125  # q: share of decode-phase evictions that take a surviving prompt key
+    max_jitter: int = 1  # decode victims: window + 1 + d positions old, 0 <= d <= min(max_jitter, gap - 1)
+
+
+def synthetic_evict_steps(
+    num_layers: int, num_prompts: int, group: int, num_kv_heads: int, prompt_len: int, new_tokens: int,
+    pattern: MaskPattern, seed: int = 0,
+) -> torch.Tensor:
+    """``[L, num_prompts * group, H_kv, P + N]`` int32 eviction steps shaped like a SnapKV-then-H2O rollout.
+
+    * Prefill (SnapKV, once per prompt, so shared by the prompt's samples): ``P - floor(r P)`` random prompt keys
+      outside the last ``window`` positions leave at ``e = P`` (seen by the prompt, by no completion token).
+    * Decode (H2O, per sample): key ``i`` joins the cache at query ``i``; whenever the cache would hold more than
+      ``floor(r (i + 1))`` keys, one leaves after query ``i`` attended (``e = i + 1``, as the rollout records it):
+      with probability ``q`` a random surviving prompt key (sinks excepted), otherwise the decode key just leaving
+      the recent window, ``window + 1 + d`` positions old (a prompt key while no decode key has left the window).
+
+    Every key is evicted at most once and never returns; the mask follows `lit_smd.kv.ShadowMask`'s contract.
+    """
+    generator = torch.Generator().manual_seed(seed)
+    rows = num_prompts * group
+    total = prompt_len + new_tokens
+    shape = (num_layers, rows, num_kv_heads)
+    steps = torch.full((*shape, total + 1), NEVER, dtype=torch.int32)  # the last column takes void evictions
+
+    # Prefill: the same drops for the samples of one prompt.
+    kept = math.floor(pattern.budget * prompt_len)
+    candidates = max(prompt_len - pattern.window, prompt_len - kept)  # positions [0, candidates) may be dropped
+    drops = prompt_len - kept
+    if drops > 0:
+        order = torch.rand(num_layers, num_prompts, num_kv_heads, candidates, generator=generator).argsort(-1)
+        dropped = order[..., :drops].repeat_interleave(group, dim=1)  # [L, B, H, drops]
+        steps.scatter_(-1, dropped, prompt_len)
+
+    # Decode: eviction times from the budget, then one victim per eviction and (layer, row, head).
+    queries = torch.arange(prompt_len, total)  # query i appends key i
+    needed = (kept + queries - prompt_len + 1 - torch.floor(pattern.budget * (queries + 1)).long()).clamp(min=0)
+    needed = torch.cummax(needed, 0).values
+    times = queries[torch.diff(needed, prepend=torch.zeros(1, dtype=torch.long)) > 0] + 1  # [K]: after query i
+    if times.numel() == 0:
+        return steps[..., :total].contiguous()
+    gaps = torch.diff(times, prepend=times[:1] - 1)
+    jitter = (torch.rand(times.shape, generator=generator) * torch.clamp(gaps, max=pattern.max_jitter + 1)).long()
+    decode_victim = times - pattern.window - 1 - jitter  # [K], strictly increasing
+    wants_prompt = (torch.rand(*shape, times.numel(), generator=generator) < pattern.prompt_share) | (
+        decode_victim < prompt_len
+    )  # [L, B, H, K]
+    # Surviving prompt keys (not dropped by the prefill, not a sink) in a random order, survivors first.
+    survives = steps[..., :prompt_len] == NEVER
+    survives[..., : pattern.sinks] = False
+    priority = torch.rand(*shape, prompt_len, generator=generator).masked_fill(~survives, 2.0)
+    prompt_order = priority.argsort(-1)  # [L, B, H, P]
+    num_survivors = survives.sum(-1, keepdim=True)  # [L, B, H, 1]
+    rank = wants_prompt.long().cumsum(-1) - 1  # [L, B, H, K]: which survivor a prompt eviction takes
+    takes_prompt = wants_prompt & (rank < num_survivors)
+    prompt_victim = prompt_order.gather(-1, rank.clamp(0, prompt_len - 1))
+    decode_ok = decode_victim >= prompt_len
+    victim = torch.where(takes_prompt, prompt_victim, torch.where(decode_ok, decode_victim, total))
+    steps.scatter_(-1, victim, times.to(torch.int32).expand(*shape, -1))
+    return steps[..., :total].contiguous()
+
+
+def synthetic_rollout(
+    model_cfg: dict[str, Any], prompt_len: int, new_tokens: int, num_prompts: int, group: int,
+    pattern: MaskPattern | None, seed: int = 0,
+) -> Rollout:
+    """A full-length rollout (no padding, no EOS) of random tokens, with a synthetic shadow mask unless ``pattern``
+    is None (a dense rollout)."""
+    generator = torch.Generator().manual_seed(seed)
+    vocab = model_cfg["vocab_size"]
+    rows = num_prompts * group
+    prompts = torch.randint(7, vocab, (num_prompts, prompt_len), generator=generator).repeat_interleave(group, 0)
+    shadow = None
+    if pattern is not None:
+        shadow = ShadowMask(synthetic_evict_steps(
+            model_cfg["num_layers"], num_prompts, group, model_cfg["num_kv_heads"], prompt_len, new_tokens, pattern,
+            seed=seed,
+        ))  # fmt: skip
+    return Rollout(
+        prompt_ids=prompts,
+        prompt_mask=torch.ones(rows, prompt_len, dtype=torch.bool),
+        completion_ids=torch.randint(7, vocab, (rows, new_tokens), generator=generator),
+        completion_mask=torch.ones(rows, new_tokens, dtype=torch.bool),
+        logprobs=torch.zeros(rows, new_tokens),
+        finish_reason=["length"] * rows,
+        shadow_mask=shadow,
+    )
+
+
+def visible_fraction(rollout: Rollout) -> float | None:
+    mask = rollout.shadow_mask
+    return None if mask is None else float(mask.visible_fraction(rollout.prompt_lengths, rollout.completion_mask))
+
+
+def mask_statistics(rollout: Rollout, window: int) -> dict[str, float]:
+    """How a rollout's shadow mask evicts: the figures `calibrate` compares between a real and a synthetic mask."""
+    steps = rollout.shadow_mask.evict_steps.long()  # [L, B, H, T]
+    prompt_len = int(rollout.prompt_lengths[0])
+    keys = torch.arange(steps.shape[-1])
+    evicted = steps < NEVER
+    in_prompt = keys < prompt_len
+    at_prefill = evicted & (steps <= prompt_len) & in_prompt
+    decode_phase = evicted & ~at_prefill
+    late = decode_phase & (steps > prompt_len + window + 1)
+    lifetimes = (steps - keys)[decode_phase & ~in_prompt].double()
+    phases = rollout.shadow_mask.visible_fraction_by_phase(rollout.prompt_lengths, rollout.completion_mask)
+    return {
+        "visible": visible_fraction(rollout),
+        "visible_prompt": float(phases["prompt"]),
+        "visible_decode": float(phases["decode"]),
+        "prefill_dropped": float(at_prefill.sum() / (in_prompt.sum() * steps[..., 0].numel())),
+        "prompt_share": float((decode_phase & in_prompt).sum() / decode_phase.sum().clamp(min=1)),
+        # the same once decode keys have left the recent window (before, only prompt keys can go): q
+        "prompt_share_late": float((late & in_prompt).sum() / late.sum().clamp(min=1)),
+        "decode_evicted": float((decode_phase & ~in_prompt).sum() / ((~in_prompt).sum() * steps[..., 0].numel())),
+        "lifetime_median": float(lifetimes.median()) if lifetimes.numel() else float("nan"),
+        "lifetime_p90": float(lifetimes.quantile(0.9)) if lifetimes.numel() else float("nan"),
+    }
+
+
+def real_rollout(model, prompt_len: int, new_tokens: int, group: int, pattern: MaskPattern, seed: int = 0):
+    """A real SnapKV-then-H2O rollout (`lit_smd.rollout.generate`) of one random prompt, exactly ``new_tokens``."""
+    ids, mask = C.left_padded_prompts(model.config.vocab_size, [prompt_len], torch.device("cpu"), seed=seed)
+    compressor = C.make_compressor("prefill_then_decode", pattern.budget, window=pattern.window, sinks=pattern.sinks)
+    return generate(model, ids, mask, compressor=compressor, max_new_tokens=new_tokens, num_generations=group,
+                    generator=torch.Generator().manual_seed(seed))  # fmt: skip
+
+
+def calibrate(args: argparse.Namespace) -> tuple[MaskPattern, dict[str, Any]]:
+    """Measure a real SnapKV-then-H2O rollout on the tiny model; return the pattern to synthesise and the figures."""
+    pattern = MaskPattern(budget=args.budget, window=args.window, sinks=args.sinks)
+    prompt_len, new_tokens = args.calibration_lengths
+    model = build_model("tiny", torch.float32)
+    real = mask_statistics(real_rollout(model, prompt_len, new_tokens, args.num_samples, pattern), args.window)
+    if args.prompt_share is None:
+        pattern.prompt_share = real["prompt_share_late"]
+    else:
+        pattern.prompt_share = args.prompt_share
+    synthetic = mask_statistics(synthetic_rollout(
+        model_config("tiny"), prompt_len, new_tokens, 1, args.num_samples, pattern
+    ), args.window)  # fmt: skip
+    return pattern, {"prompt_len": prompt_len, "new_tokens": new_tokens, "real": real, "synthetic": synthetic}
+
+
+# ---------------------------------------------------------------------------------------------------- the step
+
+
+def model_config(name: str) -> dict[str, Any]:
+    return dict(MODELS[name])
+
+
+def build_model(name: str, dtype: torch.dtype, max_positions: int = 4096, device: torch.device | None = None):
+    """The seeded model ``name`` of `MODELS`, in train mode (the learner's), lit_smd's attention."""
+    cfg = model_config(name)
+    family = cfg.pop("family")
+    tie = cfg.pop("tie_word_embeddings")
+    config = C.model_config(max_position_embeddings=max(32768, max_positions), **cfg)
+    model = C.build_model(family, {**config, "tie_word_embeddings": tie}, dtype, device or torch.device("cpu"))
+    return model.train()
+
+
+def grpo_learner_step(
+    policy, rollout: Rollout, mode: str, layout: str, group: int, *, kl_coef: float, chunk_size: int
+) -> torch.Tensor:
+    """Forward and backward of `GRPOModule.training_step`'s loss on one on-policy batch (defaults: ``grpo`` loss,
+    epsilon 0.2, temperature 1, no reference); for ``smd`` the KL to the dense no-grad teacher is added."""
+    rewards = (torch.arange(len(rollout)) % 3 == 0).float()  # mixed 0/1 within each group
+    advantages = group_advantages(rewards, group)
+    smd = mode == "smd"
+    teacher = smd and kl_coef > 0
+    learner = grpo_pass(policy, rollout, layout, shadow=smd, keep_prompt_kv=teacher)
+    logprobs, _ = token_logprobs_and_entropy(learner.hidden, output_head(policy), rollout.completion_ids,
+                                             chunk_size=chunk_size)  # fmt: skip
+    loss = policy_loss(logprobs, logprobs.detach(), advantages, rollout.completion_mask, loss_type="grpo").loss
+    if teacher:
+        kl = smd_kl(policy, rollout, rollout.completion_mask, layout=layout, stop_gradient="dense", temperature=1.0,
+                    chunk_size=chunk_size, masked=learner)  # fmt: skip
+        loss = loss + kl_coef * kl.loss
+    loss.backward()
+    return loss.detach()
+
+
+def issue_pass(policy, rollout: Rollout, layout: str, shadow: bool, chunk_size: int) -> None:
+    """The issue's "one learner pass with gradient": the pass, the chunked log-prob head, backward of their sum."""
+    hidden = learner_hidden_states(policy, rollout, shadow=shadow, layout=layout).hidden
+    logprobs, _ = token_logprobs_and_entropy(hidden, output_head(policy), rollout.completion_ids, chunk_size=chunk_size)
+    logprobs.masked_fill(~rollout.completion_mask, 0.0).sum().backward()
+
+
+# ------------------------------------------------------------------------------------------------ memory probes
+
+
+def _proc_kib(field: str, pid: int | str = "self") -> int:
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/{pid}/status")
+
+
+def release_freed_memory() -> None:
+    """What ``MALLOC_MMAP_THRESHOLD_=64K`` does for the workers, for this process (glibc): blocks of 64 KiB and more
+    get their own mappings, so freed tensors leave the resident size and one cell's peak does not hide in the next's
+    free lists."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+    except OSError:
+        pass
+
+
+def mem_available() -> int:
+    with open("/proc/meminfo") as meminfo:
+        for line in meminfo:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError("MemAvailable not in /proc/meminfo")
+
+
+class Probe:
+    """Peak memory of a block above the memory before it: ``VmHWM`` on the CPU, the allocator's peak on CUDA."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.cuda = device.type == "cuda"
+
+    def start(self) -> None:
+        gc.collect()
+        if self.cuda:
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            self.base = torch.cuda.memory_allocated()
+        else:
+            with open("/proc/self/clear_refs", "w") as clear_refs:
+                clear_refs.write("5")  # resets VmHWM to the current resident size
+            self.base = _proc_kib("VmRSS") * 1024
+
+    def rise(self) -> int:
+        if self.cuda:
+            torch.cuda.synchronize()
+            return torch.cuda.max_memory_allocated() - self.base
+        return _proc_kib("VmHWM") * 1024 - self.base
+
+
+def _zero_grad(model) -> None:
+    for parameter in model.parameters():
+        parameter.grad = None
+
+
+# ------------------------------------------------------------------------------------------------------ worker
+
+
+def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
+    """One cell, in this (fresh) process: build, warm up, measure. ``spec`` is what `cell_spec` makes."""
+    device = torch.device(spec["device"])
+    C.apply_threads(spec["threads"], device)
+    dtype = C.DTYPES[spec["dtype"]]
+    pattern = None if spec["mode"] == "dense" else MaskPattern(**spec["pattern"])
+    prompt_len, new_tokens = spec["prompt_len"], spec["new_tokens"]
+    model = build_model(spec["model"], dtype, prompt_len + new_tokens, device)
+    cfg = model_config(spec["model"])
+    group = spec["num_samples"]
+
+    def make(p: int, n: int) -> Rollout:
+        return synthetic_rollout(cfg, p, n, spec["num_prompts"], group, pattern).to(device)
+
+    kind = spec["kind"]
+
+    def step(rollout: Rollout) -> None:
+        if kind == "grpo":
+            grpo_learner_step(model, rollout, spec["mode"], spec["layout"], group, kl_coef=spec["kl_coef"],
+                              chunk_size=spec["chunk_size"])  # fmt: skip
+        elif kind == "pass":
+            issue_pass(model, rollout, spec["layout"], spec["mode"] == "smd", spec["chunk_size"])
+        else:  # "score": score(model, rollout, shadow=...) without gradient
+            with torch.no_grad():
+                score(model, rollout, shadow=spec["mode"] == "smd")
+        _zero_grad(model)
+
+    step(make(min(prompt_len, 64), min(new_tokens, 16)))  # warm-up: lazy initialisation outside the measurement
+    if spec.get("rollout_path"):  # the issue table's passes: a real rollout, sampled once by the parent
+        rollout = torch.load(spec["rollout_path"], weights_only=False).to(device)
+    else:
+        rollout = make(prompt_len, new_tokens)
+    visible = visible_fraction(rollout)
+    probe = Probe(device)
+    peaks, times, bases = [], [], []
+    for _ in range(spec["repeats"]):
+        probe.start()
+        bases.append(probe.base)
+        C.synchronize(device)
+        start = time.perf_counter()
+        step(rollout)
+        C.synchronize(device)
+        times.append(time.perf_counter() - start)
+        peaks.append(probe.rise())
+    return {
+        "peak_bytes": max(peaks), "median_s": statistics.median(times), "times_s": times, "peaks_bytes": peaks,
+        "visible": visible, "base_bytes": max(bases),  # resident (CPU) or allocated (CUDA) before the step
+    }  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------ parent
+
+
+def run_worker(spec: dict[str, Any], limit_bytes: int, max_seconds: float) -> dict[str, Any]:
+    """Run one cell in a fresh subprocess, killing it past ``limit_bytes`` resident or ``max_seconds`` of wall.
+
+    With ``spec["in_process"]`` (``--in-process``, what ``--quick`` uses) the cell runs here instead, unguarded: no
+    import per cell, but the peaks then depend on what earlier cells left in the allocator.
+    """
+    if spec.get("in_process"):
+        return {"status": "ok", **run_cell(spec)}
+    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
+    command = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
+    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    verdict: dict[str, Any] = {}
+
+    def watch() -> None:
+        start = time.perf_counter()
+        while proc.poll() is None:
+            try:
+                rss = _proc_kib("VmRSS", proc.pid) * 1024
+            except (OSError, RuntimeError):
+                rss = 0
+            verdict["max_rss_seen"] = max(verdict.get("max_rss_seen", 0), rss)
+            if rss > limit_bytes:
+                verdict["status"] = f"killed: RSS passed {limit_bytes / GIB:.1f} GiB"
+                proc.kill()
+                return
+            if time.perf_counter() - start > max_seconds:
+                verdict["status"] = f"killed: over {max_seconds:g} s"
+                proc.kill()
+                return
+            time.sleep(0.05)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    stdout, stderr = proc.communicate()
+    watcher.join()
+    if "status" in verdict:
+        return {"status": verdict["status"]}
+    if proc.returncode != 0:
+        last = (stderr.strip().splitlines() or ["?"])[-1]
+        return {"status": f"failed (exit {proc.returncode}): {last[:200]}"}
+    return {"status": "ok", **json.loads(stdout.strip().splitlines()[-1])}
+
+
+def slope(points: list[tuple[int, float]]) -> float | None:
+    """Least-squares slope of log(value) against log(length); None with fewer than two lengths."""
+    points = [(x, y) for x, y in points if y and y > 0]
+    if len({x for x, _ in points}) < 2:
+        return None
+    xs = [math.log(x) for x, _ in points]
+    ys = [math.log(y) for _, y in points]
+    mx, my = statistics.fmean(xs), statistics.fmean(ys)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / sum((x - mx) ** 2 for x in xs)
+
+
+def predict_peak(history: list[dict[str, Any]], length: int) -> int | None:
+    """Predicted peak (rise plus the worker's resident base) at ``length`` from the same series' measured cells."""
+    done = [(r["length"], r["peak_bytes"], r["base_bytes"]) for r in history if r["status"] == "ok"]
+    if not done:
+        return None
+    if len(done) >= 2:
+        (x0, y0, _), (x1, y1, _) = done[-2], done[-1]
+        exponent = max(1.0, math.log(max(y1, 1) / max(y0, 1)) / math.log(x1 / x0)) if x1 != x0 else 2.0
+    else:
+        exponent = 2.0
+    x1, y1, base = done[-1]
+    return int(base + max(y1, 1) * (length / x1) ** exponent)
+
+
+def cell_spec(args: argparse.Namespace, model: str, mode: str, layout: str, prompt_len: int, new_tokens: int,
+              pattern: MaskPattern, kind: str = "grpo", **extra: Any) -> dict[str, Any]:  # fmt: skip
+    return {
+        "model": model, "mode": mode, "layout": layout, "prompt_len": prompt_len, "new_tokens": new_tokens,
+        "num_prompts": args.num_prompts, "num_samples": args.num_samples, "kl_coef": args.kl_coef,
+        "chunk_size": args.chunk_size, "dtype": args.dtype, "device": args.device, "threads": args.threads,
+        "repeats": args.repeats, "pattern": vars(pattern), "kind": kind, "in_process": args.in_process, **extra,
+    }  # fmt: skip
+
+
+def memory_limit(args: argparse.Namespace) -> int:
+    """Bytes a worker may reach: ``--memory-limit-gib``, capped by what the machine has free now, minus a margin."""
+    free = mem_available() - int(args.memory_margin_gib * GIB)
+    return min(int(args.memory_limit_gib * GIB), free) if args.memory_limit_gib else free
+
+
+def run_grid(args: argparse.Namespace, pattern: MaskPattern, payload: dict[str, Any]) -> None:
+    for model in args.models:
+        for sweep in args.sweeps:
+            series: dict[tuple[str, str], list[dict[str, Any]]] = {}
+            for length in args.lengths:
+                prompt_len, new_tokens = (length, args.short) if sweep == "prompt" else (args.short, length)
+                for layout in args.layouts:
+                    for mode in args.modes:
+                        history = series.setdefault((mode, layout), [])
+                        row = {"model": model, "sweep": sweep, "length": length, "prompt_len": prompt_len,
+                               "new_tokens": new_tokens, "mode": mode, "layout": layout}  # fmt: skip
+                        limit = memory_limit(args)
+                        predicted = predict_peak(history, length)
+                        stopped = next((r for r in history if r["status"] != "ok"), None)
+                        if stopped is not None:
+                            word = stopped["status"].split(":")[0]
+                            result = {"status": f"skipped: series stopped at {stopped['length']} ({word})"}
+                        elif predicted is not None and predicted > limit:
+                            result = {"status": f"skipped: predicted {predicted / GIB:.1f} GiB > {limit / GIB:.1f}"}
+                        else:
+                            spec = cell_spec(args, model, mode, layout, prompt_len, new_tokens, pattern)
+                            result = run_worker(spec, limit, args.max_seconds)
+                        row.update(result, predicted_bytes=predicted, limit_bytes=limit)
+                        history.append(row)
+                        payload["results"].append(row)
+                        C.write_json(args.json, payload)
+                        print(f"  {model} {sweep} {length} {layout} {mode}: {_cell(row)}", file=sys.stderr,
+                              flush=True)  # fmt: skip
+
+
+# ------------------------------------------------------------------------------------------------------ tables
+
+
+def _cell(row: dict[str, Any] | None, dense: dict[str, Any] | None = None, what: str = "both") -> str:
+    if row is None:
+        return "n/a"
+    if row["status"] != "ok":
+        return row["status"]
+    memory, seconds = f"{row['peak_bytes'] / 2**20:.0f} MiB", f"{row['median_s']:.3g} s"
+    if dense is not None and dense.get("status") == "ok" and dense is not row:
+        if dense["peak_bytes"] >= 2**20:  # below a MiB the RSS rise is page noise
+            memory += f" ({row['peak_bytes'] / dense['peak_bytes']:.2f}x)"
+        seconds += f" ({row['median_s'] / dense['median_s']:.2f}x)"
+    return {"memory": memory, "time": seconds, "both": f"{memory}, {seconds}"}[what]
+
+
+def grid_tables(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
+    index = {(r["model"], r["sweep"], r["length"], r["layout"], r["mode"]): r for r in results}
+    out = []
+    for model in dict.fromkeys(r["model"] for r in results):
+        for sweep in dict.fromkeys(r["sweep"] for r in results if r["model"] == model):
+            fixed = "completion" if sweep == "prompt" else "prompt"
+            spec = MODELS[model]
+            out.append(
+                f"### {model} ({spec['family']}, {spec['num_layers']} layers, hidden {spec['hidden_size']}, "
+                f"{spec['num_heads']}/{spec['num_kv_heads']} heads, vocab {spec['vocab_size']}): {sweep} length, "
+                f"{fixed} {args.short} tokens, {args.num_prompts} prompt(s) x {args.num_samples} samples\n"
+            )
+            headers = ["length", "layout", "mask visible"] + [f"{mode} peak" for mode in args.modes] + [
+                f"{mode} time" for mode in args.modes]  # fmt: skip
+            lines = []
+            for length in dict.fromkeys(r["length"] for r in results if (r["model"], r["sweep"]) == (model, sweep)):
+                for layout in args.layouts:
+                    cells = {mode: index.get((model, sweep, length, layout, mode)) for mode in args.modes}
+                    if not any(cells.values()):
+                        continue
+                    dense = cells.get("dense")
+                    visible = next((c["visible"] for c in cells.values() if c and c.get("visible") is not None), None)
+                    lines.append([length, layout, C.fmt(visible, ".3f")]
+                                 + [_cell(cells[m], dense, "memory") for m in args.modes]
+                                 + [_cell(cells[m], dense, "time") for m in args.modes])  # fmt: skip
+            out.append(C.markdown_table(headers, lines))
+            out.append("")
+    low, high = args.slope_range
+    lines = []
+    for model in dict.fromkeys(r["model"] for r in results):
+        for sweep in dict.fromkeys(r["sweep"] for r in results if r["model"] == model):
+            for layout in args.layouts:
+                for mode in args.modes:
+                    points = [(r["length"], r["peak_bytes"]) for r in results
+                              if (r["model"], r["sweep"], r["layout"], r["mode"]) == (model, sweep, layout, mode)
+                              and r["status"] == "ok" and low <= r["length"] <= high]  # fmt: skip
+                    value = slope(points)
+                    lengths = ", ".join(str(x) for x, _ in points) or "none"
+                    lines.append([model, sweep, layout, mode, C.fmt(value, ".2f"), lengths])
+    out.append(f"### Memory against length: log-log slope of the peak over {low}..{high} (1 = linear)\n")
+    out.append(C.markdown_table(["model", "sweep", "layout", "mode", "slope", "lengths used"], lines))
+    return "\n".join(out)
+
+
+def calibration_text(calibration: dict[str, Any], pattern: MaskPattern) -> str:
+    real, synthetic = calibration["real"], calibration["synthetic"]
+    names = [("visible", "visible fraction (completion tokens)"), ("visible_prompt", "prompt keys kept by prefill"),
+             ("visible_decode", "visible fraction, decode tokens"), ("prompt_share", "decode evictions of prompt keys"),
+             ("prompt_share_late", "the same, after the first window + 1 decode steps (q)"),
+             ("decode_evicted", "decode keys evicted"), ("lifetime_median", "evicted decode key lifetime, median"),
+             ("lifetime_p90", "evicted decode key lifetime, p90")]  # fmt: skip
+    rows = [[label, C.fmt(real[key], ".3g"), C.fmt(synthetic[key], ".3g")] for key, label in names]
+    return (
+        f"**Shadow masks are synthetic** (SnapKV-then-H2O-like, budget {pattern.budget}, window {pattern.window}, "
+        f"sinks {pattern.sinks}, prompt-key share q = {pattern.prompt_share:.3f}), calibrated against a real "
+        f"SnapKV-then-H2O rollout of the tiny model at prompt {calibration['prompt_len']}, "
+        f"{calibration['new_tokens']} new tokens:\n\n"
+        + C.markdown_table(["", "real rollout", "synthetic mask"], rows)
+    )
+
+
+# ------------------------------------------------------------------------------------------------ issue table
+
+
+def run_issue_table(args: argparse.Namespace, payload: dict[str, Any]) -> str:
+    """Issue #28's table: one learner pass with gradient per layout and view, and ``score`` without gradient."""
+    pattern = MaskPattern(budget=args.budget, window=args.window, sinks=args.sinks)
+    rows = []
+    folder = tempfile.mkdtemp(prefix="bench_long_context_")
+    policy = build_model("tiny", C.DTYPES[args.dtype])  # the workers build the same seeded weights
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # sampling: one thread (much faster on a loaded CPU); the workers use --threads
+    for new_tokens in args.issue_new_tokens:
+        start = time.perf_counter()
+        rollout = real_rollout(policy, args.issue_prompt_len, new_tokens, args.num_samples, pattern)
+        path = os.path.join(folder, f"rollout_{new_tokens}.pt")
+        torch.save(rollout, path)
+        payload.setdefault("rollouts", {})[new_tokens] = {
+            "sample_s": time.perf_counter() - start, "visible": visible_fraction(rollout)}
+        print(f"  issue: sampled the {new_tokens}-token rollout in {time.perf_counter() - start:.1f} s, visible "
+              f"fraction {visible_fraction(rollout):.3f}", file=sys.stderr, flush=True)  # fmt: skip
+    torch.set_num_threads(threads)
+    for new_tokens in args.issue_new_tokens:
+        path = os.path.join(folder, f"rollout_{new_tokens}.pt")
+        for layout in LAYOUTS:
+            for mode in ("dense", "smd"):  # the dense view / the shadow view of the same compressed rollout
+                spec = cell_spec(args, "tiny", mode, layout, args.issue_prompt_len, new_tokens, pattern, kind="pass",
+                                 rollout_path=path)  # fmt: skip
+                rows.append({"kind": "pass", "layout": layout, "view": "shadow" if mode == "smd" else "dense",
+                             "new_tokens": new_tokens, **run_worker(spec, memory_limit(args), args.max_seconds)})
+                print(f"  issue: pass {layout} {mode} {new_tokens}: {_cell(rows[-1])}", file=sys.stderr, flush=True)
+                payload["results"] = rows
+                C.write_json(args.json, payload)
+    for mode in ("dense", "smd"):
+        spec = cell_spec(args, "tiny", mode, "per_row", args.issue_score_prompt_len, args.issue_score_new_tokens,
+                         pattern, kind="score")  # fmt: skip
+        rows.append({"kind": "score", "layout": "per_row", "view": "shadow" if mode == "smd" else "dense",
+                     "new_tokens": args.issue_score_new_tokens,
+                     **run_worker(spec, memory_limit(args), args.max_seconds)})  # fmt: skip
+        print(f"  issue: score {mode}: {_cell(rows[-1])}", file=sys.stderr, flush=True)
+        payload["results"] = rows
+        C.write_json(args.json, payload)
+    shutil.rmtree(folder, ignore_errors=True)
+
+    def find(kind: str, layout: str, view: str, new: int) -> dict[str, Any] | None:
+        return next((r for r in rows if (r["kind"], r["layout"], r["view"], r["new_tokens"]) == (kind, layout, view,
+                                                                                                  new)), None)
+
+    headers = ["path"] + [f"{n} completion tokens" for n in args.issue_new_tokens]
+    lines = []
+    for layout, label in (("shared_prefix", "shared prefix (GRPO default)"), ("per_row", "per row")):
+        for view in ("dense", "shadow"):
+            cells = []
+            for new in args.issue_new_tokens:
+                row, dense = find("pass", layout, view, new), find("pass", layout, "dense", new)
+                cells.append(_cell(row, dense if view == "shadow" else None))
+            lines.append([f"{label}, {view} view" + (" (SMD)" if view == "shadow" else "")] + cells)
+    score_dense = find("score", "per_row", "dense", args.issue_score_new_tokens)
+    score_shadow = find("score", "per_row", "shadow", args.issue_score_new_tokens)
+    lines.append([f"`score(model, rollout, shadow=True)` without gradient, {args.issue_score_prompt_len}-token prompt, "
+                  f"{args.issue_score_new_tokens} new tokens (synthetic mask)",
+                  f"shadow {_cell(score_shadow, score_dense)} vs dense {_cell(score_dense)}"]
+                 + [""] * (len(args.issue_new_tokens) - 1))  # fmt: skip
+    return C.markdown_table(headers, lines)
+
+
+# -------------------------------------------------------------------------------------------------------- main
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cpu", help="cpu (default; RSS peaks) or cuda (allocator peaks)")
+    parser.add_argument("--models", nargs="+", choices=list(MODELS), default=list(MODELS))
+    parser.add_argument("--sweeps", nargs="+", choices=SWEEPS, default=list(SWEEPS))
+    parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 2048, 4096, 8192, 16384, 32768],
+                        help="the swept length (prompt or completion tokens)")
+    parser.add_argument("--short", type=int, default=256, help="the other length: completion of the prompt sweep, "
+                        "prompt of the completion sweep")  # fmt: skip
+    parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
+    parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
+    parser.add_argument("--num-prompts", type=int, default=1)
+    parser.add_argument("--num-samples", type=int, default=2, help="completions per prompt (the GRPO group)")
+    parser.add_argument("--kl-coef", type=float, default=0.1, help="SMD's lambda")
+    parser.add_argument("--chunk-size", type=int, default=1024, help="logits_chunk_size of the head and the KL")
+    parser.add_argument("--dtype", choices=list(C.DTYPES), default="float32")
+    parser.add_argument("--repeats", type=int, default=1, help="measured steps per cell (after a small warm-up)")
+    parser.add_argument("--max-seconds", type=float, default=600.0, help="wall limit of one cell's worker")
+    parser.add_argument("--memory-limit-gib", type=float, default=None,
+                        help="a worker's resident limit (default: MemAvailable minus the margin, read per cell)")
+    parser.add_argument("--memory-margin-gib", type=float, default=1.5,
+                        help="kept free for the rest of the machine")
+    parser.add_argument("--slope-range", type=int, nargs=2, default=[4096, 32768], metavar=("LOW", "HIGH"))
+    parser.add_argument("--budget", type=float, default=0.5, help="kept KV fraction the synthetic mask imitates")
+    parser.add_argument("--window", type=int, default=32, help="SnapKV observation / H2O recent window")
+    parser.add_argument("--sinks", type=int, default=4, help="H2O attention sinks")
+    parser.add_argument("--prompt-share", type=float, default=None,
+                        help="q, share of decode evictions taking a prompt key (default: calibrated)")
+    parser.add_argument("--calibration-lengths", type=int, nargs=2, default=[256, 256], metavar=("PROMPT", "NEW"),
+                        help="the real rollout the synthetic mask is calibrated on")
+    parser.add_argument("--quick", action="store_true",
+                        help="seconds-long smoke run (tiny model, tiny lengths, --in-process): measures nothing")
+    parser.add_argument("--in-process", action="store_true",
+                        help="run every cell in this process: no import per cell (minutes each on a loaded CPU), but "
+                        "no memory guard, and a cell's peak may hide in memory an earlier cell left")
+    parser.add_argument("--issue-table", action="store_true", help="reproduce issue #28's table instead of the grid")
+    parser.add_argument("--issue-prompt-len", type=int, default=256)
+    parser.add_argument("--issue-new-tokens", type=int, nargs="+", default=[1024, 4096])
+    parser.add_argument("--issue-score-prompt-len", type=int, default=8192)
+    parser.add_argument("--issue-score-new-tokens", type=int, default=256)
+    parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    C.add_output_flags(parser)
+    C.add_threads_flag(parser, default=None)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    args = build_parser().parse_args(argv)
+    if args.worker is not None:
+        print(json.dumps(run_cell(json.loads(args.worker))))
+        return {}
+    if args.quick:
+        args = build_parser().parse_args(QUICK + argv)
+        if args.issue_table:
+            args = build_parser().parse_args(QUICK + ["--issue-new-tokens", "48", "--issue-prompt-len", "32",
+                                                      "--issue-score-prompt-len", "128",
+                                                      "--issue-score-new-tokens", "16"] + argv)  # fmt: skip
+    if args.threads is None:  # the issue's table was measured with 2 threads; the grid uses the benchmarks' 1
+        args.threads = 2 if args.issue_table else 1
+    if args.in_process and not args.quick:  # (not in a smoke run, which may share its process with tests)
+        release_freed_memory()
+    if args.num_samples < 2:
+        raise SystemExit(f"--num-samples must be >= 2 (a GRPO group), got {args.num_samples}")
+    device = C.resolve_device(args.device)
+    C.apply_threads(args.threads, device)  # what the workers use; the environment below records it
+    env = C.environment(device)
+    payload: dict[str, Any] = {"benchmark": "long_context", "environment": env, "config": vars(args), "results": []}
+    title = "# Long context: " + ("issue #28's table" if args.issue_table else "the GRPO learner step over length")
+    where = "one fresh subprocess per cell"
+    if args.in_process:
+        where = "every cell in this process" + ("" if args.quick else " (--in-process; glibc mmap threshold 64 KiB)")
+    print(f"{title}\n\n{C.describe(env)}; {where}\n", flush=True)
+    try:
+        if args.issue_table:
+            text = (
+                f"One learner pass with gradient (the pass, the chunked log-prob head, backward of the summed "
+                f"log-probs) over a real SnapKV-then-H2O {args.budget} rollout: tiny Qwen3 (2 layers, hidden 64, "
+                f"4/2 heads, vocab 256), {args.issue_prompt_len}-token prompt x {args.num_samples} samples; and "
+                f"score() without gradient. Peak RSS rise of the pass (VmHWM), {where}; time of the "
+                f"pass (median of {args.repeats}), {args.threads} torch thread(s). Ratios: shadow view against the "
+                "dense view of the same path, same run. Times indicative: the CPU is shared.\n\n"
+                + run_issue_table(args, payload)
+            )
+        else:
+            pattern, calibration = calibrate(args)
+            payload["calibration"] = calibration
+            print(calibration_text(calibration, pattern) + "\n", file=sys.stderr, flush=True)
+            run_grid(args, pattern, payload)
+            text = (
+                calibration_text(calibration, pattern) + "\n\n"
+                f"GRPO learner step (forward + backward; smd adds the dense no-grad teacher and the KL, kl_coef "
+                f"{args.kl_coef}), {args.dtype}, {args.threads} torch thread(s). Peak = resident high-water mark "
+                f"rise of the step, {where}; time = median of {args.repeats} step(s). (x) = against dense of the same "
+                "length and layout, same run. Times on a shared CPU are indicative.\n\n"
+                + grid_tables(payload["results"], args)
+            )
+    except KeyboardInterrupt:
+        C.interrupted(payload, args.json)
+        text = grid_tables(payload["results"], args) if payload["results"] and not args.issue_table else ""
+    print(text)
+    C.write_markdown(args.markdown, f"{title}\n\n{C.describe(env)}; {where}\n\n{text}")
+    return payload
+
+
+if __name__ == "__main__":
+    main()
