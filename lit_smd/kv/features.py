@@ -16,7 +16,8 @@ does not implement; a call that carries one of them (not None) is refused by nam
 
 `attention` is the one masked attention of the learner paths: SDPA when the layer uses no feature, otherwise an
 explicit softmax in float32 (float64 for float64 models) like transformers' eager attention. SDPA has no softcap
-and no sink column, so those layers pay eager attention's ``[B, H_q, T, S]`` score buffer (one layer at a time).
+and no sink column, so those layers pay eager attention's ``[B, H_q, T, S]`` score buffer; the learner calls it one
+block of queries at a time (`lit_smd.kv.blocked`), so the buffer is ``[B, H_q, block, S]``.
 """
 
 from __future__ import annotations
