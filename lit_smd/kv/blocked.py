@@ -112,11 +112,10 @@ class _FusedBlock(torch.autograd.Function):
 
 
 def fused_blocks(query: Tensor, value_dim: int, features: AttentionFeatures, dropout: float) -> bool:
-    """Whether the query blocks of a pass with gradients run `_FusedBlock` (else checkpointed SDPA / eager)."""
-    return (
-        query.device.type == "cpu" and features.plain and not dropout and value_dim == query.shape[-1]
-        and torch.is_grad_enabled()
-    )  # fmt: skip
+    """Whether the query blocks run `_FusedBlock`: the CPU's fused kernel with an additive mask built directly (no
+    boolean mask for SDPA to convert), and with gradients its own backward; else SDPA (checkpointed under autograd)
+    or the explicit softmax of layers with features."""
+    return query.device.type == "cpu" and features.plain and not dropout and value_dim == query.shape[-1]
 
 
 def block_mask(query_pos: Tensor, limit: Tensor, causal_from: int, dtype: torch.dtype | None) -> Tensor:
@@ -307,6 +306,6 @@ def causal_rows_attention(
     keys_per_block = width if not windowed else min(width, sliding_window + query_block(mask_rows, width, width))
     block = query_block(mask_rows, width, keys_per_block)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    fused = grad and fused_blocks(query, value.shape[-1], features, dropout)
+    fused = fused_blocks(query, value.shape[-1], features, dropout)
     out = over_query_blocks(run, width, block, recompute=grad and not fused)  # [B', H', T, Dv]
     return out.reshape(batch, q_heads, width, out.shape[-1])

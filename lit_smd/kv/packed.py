@@ -201,7 +201,7 @@ class PackedPlan:
         block = query_block(limit.shape[0], new, width + new)
         inputs = (query, prompt_key, prompt_value, slot_key, slot_value)
         grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
-        fused = grad and fused_blocks(query, slot_value.shape[-1], features, dropout)
+        fused = fused_blocks(query, slot_value.shape[-1], features, dropout)
         out = over_query_blocks(run, new, block, recompute=grad and not fused)
         out = out.reshape(rows, slots, q_heads, new, out.shape[-1])
         return out.transpose(1, 2).reshape(rows, q_heads, slots * new, out.shape[-1])
