@@ -1,6 +1,6 @@
 """The budgeted rollout cache: preallocated slots, in-place eviction, and the record of what was evicted.
 
-Every layer owns slot buffers ``keys``/``values`` of shape ``[B, H_kv, capacity, D]``, allocated once at
+Every layer owns slot buffers ``keys``/``values`` of shape ``[B, H_kv, capacity, D_k / D_v]``, allocated once at
 prefill, and a slot -> logical-position map ``positions`` (``-1`` = free slot). Evicting a key only frees its
 slot; the next generated token is written into it. The cache therefore never grows past its capacity and
 never copies itself to evict (the "150 % spike" of gather-based eviction does not exist here).
@@ -16,18 +16,27 @@ get ``e = prompt_length`` (the first decode query). A decode query first writes 
 (at most ``budget + 1`` keys), and then the decode compressor evicts one key if the cache is over budget; that key gets
 ``e = position + 1``.
 
-Bookkeeping. How many keys a sequence holds after each step does not depend on the layer, the head or the
-attention numerics (one key in per step, at most one out), so the cache derives it from the budget schedule
-(`lit_smd.kv.budget.budget_at`) once per step: which rows must evict, and (host side) whether any row must, so
-a step where no row is over budget skips the compressor entirely. Occupied slots always form a prefix
-``[0, kept)`` plus at most one hole, the slot of the key evicted in the previous step; the next key goes into that
-hole, or at the end. Per step, layer and row, the work is a constant number of ops over the ``capacity`` slots
-(the budget plus one), with no loop over rows.
+Bookkeeping, with no host sync. How many keys a sequence holds after each step does not depend on the layer, the
+head or the attention numerics (one key in per step, at most one out), so the cache derives the whole schedule from
+the budgets (`lit_smd.kv.budget.budget_at`) once, when it is built: per step and row, the keys held and whether the
+row evicts (device tensors, read by index each step), and per step, on the host, whether any row evicts (else the
+compressor does not run) and how many slots the step attends over (`slot_bucket` of the most any row holds: the
+occupied slots, not the capacity). Occupied slots always form a prefix ``[0, kept)`` plus at most one hole, the slot
+of the key evicted in the previous step; the next key goes into that hole, or at the end. Per step, layer and row,
+the work is a constant number of tensor operations over the attended slots, with no loop over rows and no branch on
+a tensor's value, so a decode step can be compiled whole and captured as a CUDA graph (`lit_smd.rollout.generate`).
+
+Finished rows. `BudgetedCache.compact` drops rows from the slot buffers (the rollout compacts out rows that ended);
+the eviction record keeps every row of the rollout, and `BudgetedCache.rows` maps the active rows to it. A row's
+record freezes when it ends (`BudgetedCache.prepare_step` ``finished``): later evictions still free its slots but are
+not recorded, so the record does not depend on when, or whether, the row left the batch.
 
 The attention math of the rollout lives here too, because eviction needs the exact attention probabilities
-of the rollout: `BudgetedLayer.attend_prefill` and `BudgetedLayer.attend_decode` are called by the registered
-attention function (`lit_smd.kv.attention`). The prompt attention and the prompt scores (SnapKV's window rows,
-H2O's column sums), computed strip by strip with no ``P x P`` buffer, are in `lit_smd.kv.prefill`.
+of the rollout: the registered attention function (`lit_smd.kv.attention`) calls `BudgetedCache.attend`, which runs
+`BudgetedLayer.attend_prefill` or `BudgetedLayer.attend_decode`. A layer holds tensors only and is handed its cache
+on every call: no reference cycle, so the slots are freed as soon as the rollout drops its cache.
+The prompt attention and the prompt scores (SnapKV's window rows, H2O's column sums), computed strip by strip with
+no ``P x P`` buffer, are in `lit_smd.kv.prefill`.
 """
 
 from __future__ import annotations
