@@ -3,9 +3,14 @@
 `generate` owns its prefill/decode loop (``model.generate`` rejects the extra keyword arguments the attention
 function needs): left-padded prompts are prefilled once, in micro-batches of ``prefill_batch_size`` prompts, each
 compressed into the cache before the next runs (so the peak memory is one micro-batch's prefill plus the budgeted
-cache of all rows); the cache is shared by ``num_generations`` completions per prompt, and each step samples every row
-with one generator (randomised compressors draw from it too), so a seeded rollout is reproducible. With a
-compressor it returns the `ShadowMask` of what each token could see.
+cache of all rows); the cache is shared by ``num_generations`` completions per prompt. Each step draws its sampling
+noise (and a randomised compressor's) from one generator for every row of the batch, so a seeded rollout is
+reproducible, whichever rows are still decoding. With a compressor it returns the `ShadowMask` of what each token could
+see.
+
+The decode loop is shaped for accelerators: no host sync between its reads of which rows ended (one every
+``sync_every`` steps), ended rows compacted out of the batch at those reads, attention over the occupied slots
+(bucketed), and a step that ``torch.compile(fullgraph=True)`` traces whole (``compile=True``; CUDA graphs on CUDA).
 
 `lit_smd.learner` scores a `Rollout` teacher-forced: replaying the shadow mask it reproduces the rollout's log-probs
 up to float reduction order (the learner's view of SMD), or it scores densely.

@@ -119,6 +119,10 @@ def slot_bucket(slots: int, capacity: int) -> int:
     return min(capacity, max(64, -(-slots // quantum) * quantum))
 
 
+_PER_ROW = ("keys", "values", "positions", "accumulated", "free_slot")
+"""The per-row buffers of a layer that `BudgetedLayer.compact` shrinks."""
+
+
 class BudgetedLayer(CacheLayerMixin):
     """One decoder layer's slot buffers, eviction record and rollout attention.
 
@@ -149,6 +153,7 @@ class BudgetedLayer(CacheLayerMixin):
         self.heads = torch.arange(kv_heads, device=device)[None, :, None]  # [1, Hkv, 1]
         self.device = device
         self.is_initialized = True
+        self._mark_static()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
         raise RuntimeError("BudgetedLayer is written through BudgetedCache.update")
@@ -181,8 +186,16 @@ class BudgetedLayer(CacheLayerMixin):
 
     def compact(self, keep: torch.Tensor) -> None:
         """Keep only the active rows ``keep`` (indices into the current rows) in the slot buffers."""
-        for name in ("keys", "values", "positions", "accumulated", "free_slot"):
+        for name in _PER_ROW:
             setattr(self, name, getattr(self, name).index_select(0, keep))
+        self._mark_static()
+
+    def _mark_static(self) -> None:
+        """On CUDA, let a CUDA-graphed decode step update the buffers in place (static addresses, no copies); a
+        compaction moves them, and the graph is then recorded again (at most once per batch size)."""
+        if self.device.type == "cuda":
+            for name in (*_PER_ROW, "evict_steps"):
+                torch._dynamo.mark_static_address(getattr(self, name), guard=False)
 
     # -- rollout attention -----------------------------------------------------------------------------------
     def attend_prefill(
@@ -422,10 +435,6 @@ class BudgetedCache(Cache):
                 UserWarning,
                 stacklevel=3,
             )
-
-    def evicts_at(self, step: int) -> bool:
-        """Whether some row evicts a key at decode step ``step`` (read on the host, from the precomputed schedule)."""
-        return self._evicts_at[step]
 
     def prepare_step(self, step: int, finished: torch.Tensor | None = None) -> _DecodeStep:
         """Set up decode step ``step`` for every layer: device tensors from the schedule, no host sync.

@@ -141,18 +141,19 @@ def test_decode_attends_over_occupied_slots_rounded_to_a_bucket():
     assert len(set(widths)) <= 4 * 3 + 1  # four per doubling from 64 to 512, then the capacity
 
 
-def test_a_compiled_decode_step_traces_whole_and_equals_eager(tiny_model_factory):
+def test_a_compiled_decode_step_traces_whole_and_equals_eager(tiny_model_factory, compact_sizes):
     """``fullgraph=True`` fails on any graph break; the eager backend runs the traced graph's own ops, so the
     rollout is bit-identical; compilations stay bounded while widths and row counts change."""
     torch._dynamo.reset()
     from torch._dynamo.utils import counters
 
     model = _model(tiny_model_factory, torch.float32)
-    compressor = make_compressor("prefill_then_decode")
+    compressor = make_compressor("h2o", 0.9)  # evicts at some steps, not others; widths grow from 64 to 128
     eager = _run(model, compressor, new=64, sync_every=4)
     counters.clear()
     compiled = _run(model, compressor, new=64, sync_every=4, compile={"backend": "eager"})
     graphs = counters["stats"]["unique_graphs"]
+    assert compact_sizes and compact_sizes[-1] < len(eager)  # rows left the compiled batch
     _assert_same(eager, compiled)
     assert 1 <= graphs <= 8, graphs
     again = _run(model, compressor, new=64, sync_every=4, compile={"backend": "eager"}, seed=1)
