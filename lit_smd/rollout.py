@@ -307,7 +307,7 @@ def _decode_forward(
     return out.logits[:, -1]
 
 
-_COMPILED: dict[tuple, object] = {}
+_COMPILED: dict[str, object] = {}
 
 
 def compiled_decode_step(options: dict | None = None, device_type: str = "cpu"):
@@ -321,7 +321,7 @@ def compiled_decode_step(options: dict | None = None, device_type: str = "cpu"):
     options = dict(options or {})
     if device_type == "cuda" and "backend" not in options:
         options.setdefault("mode", "reduce-overhead")
-    key = tuple(sorted(options.items()))
+    key = repr(sorted(options.items()))  # option values may be unhashable (e.g. inductor's ``options`` dict)
     if key not in _COMPILED:
         _COMPILED[key] = torch.compile(_decode_forward, fullgraph=True, **options)
     return _COMPILED[key]
@@ -387,7 +387,9 @@ def generate(
     operations, and tokens are sampled by an exponential race (`sample_tokens`) from noise drawn for every row of the
     batch. At each read, the loop stops if every row has ended, and (``compact``) rows that ended leave the batch:
     the cache drops their slots, so the rest of the rollout costs what its unfinished rows cost. The same seeded call
-    gives the same tokens, log-probs and shadow mask with or without compaction, and for any ``sync_every``.
+    gives the same tokens, log-probs and shadow mask for any ``sync_every``, and with or without compaction: bit for
+    bit where the matrix products compute a row alike in every batch whose size is a multiple of `ROW_QUANTUM` (the
+    CPU's do; compaction keeps such sizes), else (GPU kernels chosen by batch size) up to float rounding.
 
     Args:
         model: A Hugging Face causal LM whose attention goes through transformers' ``AttentionInterface``.
@@ -439,7 +441,7 @@ def generate(
     step_fn = _decode_forward
     if compile is not False:
         step_fn = compiled_decode_step(compile if isinstance(compile, dict) else None, device.type)
-    cudagraphs = compile is not False and device.type == "cuda" and not isinstance(compile, dict)
+    cudagraphs = compile is not False and device.type == "cuda"  # marking steps is harmless without CUDA graphs
 
     was_training = model.training
     model.eval()
