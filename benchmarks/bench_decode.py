@@ -22,8 +22,8 @@ Variants, same weights, same prompts, in this run (``B`` prompts x ``S`` samples
 Figures: medians over ``--repeats`` calls after a warm-up, the variants taking turns. **tokens/s** counts real
 completion tokens (the sum of the drawn lengths) over the whole call (prefill included). **host syncs / step** is
 counted with `lit_smd.kv.host_sync.HostSyncCounter` (operations that make the host wait for an accelerator, counted
-on any device) over one call, divided by its decode steps (the longest row's length - 1); for lit_smd the syncs of the
-same call with a cap of one token (prefill and the final read alone) are subtracted first.
+on any device) over one call, divided by its loop steps (one sampled token per row each); for lit_smd the syncs and
+forwards of the same call with a cap of one token (its prefill, first sample and final read) are subtracted first.
 
 Usage::
 
@@ -137,10 +137,16 @@ def _hf_lengths(tokens: torch.Tensor) -> torch.Tensor:
     return first + 1
 
 
-def _syncs(fn) -> int:
-    with HostSyncCounter() as counter:
-        fn()
-    return counter.total
+def _syncs(fn, model) -> tuple[int, int]:
+    """Host syncs of ``fn()`` and the forwards of ``model`` it ran."""
+    forwards = []
+    handle = model.register_forward_pre_hook(lambda *args: forwards.append(1))
+    try:
+        with HostSyncCounter() as counter:
+            fn()
+    finally:
+        handle.remove()
+    return counter.total, len(forwards)
 
 
 def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
@@ -178,12 +184,14 @@ def run(args: argparse.Namespace, device: torch.device) -> dict[str, Any]:
         _check_lengths(name, produced, lengths)
     timings = C.time_interleaved(calls, device, repeats=args.repeats, warmup=0)
 
-    steps = int(lengths.max())  # decode forwards of a loop that stops at the longest row: steps - 1
-    one = argparse.Namespace(**{**vars(args), "new_tokens": 1})
-    base = _syncs(lambda: _lit_call(ours, ids, mask, lengths.clamp(max=1), one, device))
-    syncs = {
-        "hf_generate": _syncs(calls["hf_generate"]) / max(steps - 1, 1),
-        "lit_smd, compact=True": (_syncs(calls["lit_smd, compact=True"]) - base) / max(steps - 1, 1),
+    steps = int(lengths.max())
+    one = argparse.Namespace(**{**vars(args), "new_tokens": 1})  # the prefill and the final read alone
+    base, prefills = _syncs(lambda: _lit_call(ours, ids, mask, lengths.clamp(max=1), one, device), ours)
+    hf_syncs, hf_forwards = _syncs(calls["hf_generate"], hf)
+    lit_syncs, lit_forwards = _syncs(calls["lit_smd, compact=True"], ours)
+    syncs = {  # per loop step (one sampled token per row; lit_smd's loop may run past the longest row until a read)
+        "hf_generate": hf_syncs / hf_forwards,
+        "lit_smd, compact=True": (lit_syncs - base) / max(lit_forwards - prefills, 1),
     }
     tokens = int(lengths.sum())
     results = []

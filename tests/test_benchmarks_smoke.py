@@ -57,7 +57,8 @@ def test_decode_benchmark(run_all, tmp_path):
     results = {r["variant"]: r for r in payload["results"]}
     assert set(results) == {"hf_generate", "lit_smd, compact=False", "lit_smd, compact=True",
                             "lit_smd+snapkv_h2o@0.5, compact=True"}
-    assert results["lit_smd, compact=True"]["host_syncs_per_step"] <= 1 / 16 < results["hf_generate"][
+    # one read in 16 steps; at this size the loop ends at its first read, 15 steps after the base call's one step
+    assert results["lit_smd, compact=True"]["host_syncs_per_step"] <= 1 / 15 < results["hf_generate"][
         "host_syncs_per_step"]
     assert results["lit_smd, compact=True"]["tokens"] == sum(payload["lengths"])
 
