@@ -3,9 +3,14 @@
 `generate` owns its prefill/decode loop (``model.generate`` rejects the extra keyword arguments the attention
 function needs): left-padded prompts are prefilled once, in micro-batches of ``prefill_batch_size`` prompts, each
 compressed into the cache before the next runs (so the peak memory is one micro-batch's prefill plus the budgeted
-cache of all rows); the cache is shared by ``num_generations`` completions per prompt, and each step samples every row
-with one generator (randomised compressors draw from it too), so a seeded rollout is reproducible. With a
-compressor it returns the `ShadowMask` of what each token could see.
+cache of all rows); the cache is shared by ``num_generations`` completions per prompt. Each step draws its sampling
+noise (and a randomised compressor's) from one generator for every row of the batch, so a seeded rollout is
+reproducible, whichever rows are still decoding. With a compressor it returns the `ShadowMask` of what each token could
+see.
+
+The decode loop is shaped for accelerators: no host sync between its reads of which rows ended (one every
+``sync_every`` steps), ended rows compacted out of the batch at those reads, attention over the occupied slots
+(bucketed), and a step that ``torch.compile(fullgraph=True)`` traces whole (``compile=True``; CUDA graphs on CUDA).
 
 `lit_smd.learner` scores a `Rollout` teacher-forced: replaying the shadow mask it reproduces the rollout's log-probs
 up to float reduction order (the learner's view of SMD), or it scores densely.
@@ -34,7 +39,7 @@ from lit_smd.kv.features import softmax_dtype
 from lit_smd.kv.shadow import ShadowMask
 from lit_smd.losses.head import output_head
 
-__all__ = ["Rollout", "generate", "prefill", "sample_tokens"]
+__all__ = ["Rollout", "compiled_decode_step", "exponential_noise", "generate", "prefill", "sample_tokens"]
 
 __getattr__ = moved(__name__, {"score": "lit_smd.learner.score"})  # deprecated in 0.2.0
 
@@ -149,15 +154,21 @@ def sample_tokens(
     top_k: int = 0,
     top_p: float = 1.0,
     generator: torch.Generator | None = None,
+    noise: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample one token per row.
+    """Sample one token per row, with no host sync.
+
+    The token is the first to arrive in an exponential race: the argmax of ``p_i / E_i`` over the kept tokens, with
+    ``E_i`` standard exponential noise, which samples the (truncated) distribution ``p`` exactly as multinomial
+    sampling does, from noise the caller may draw for rows that are not in ``logits``.
 
     Args:
         logits: ``[B, V]`` next-token logits.
         temperature: Softmax temperature (> 0).
         top_k: Keep the ``top_k`` most likely tokens (0 = all).
         top_p: Nucleus sampling mass (1.0 = all).
-        generator: Random generator on the logits' device.
+        generator: Random generator on the logits' device (draws ``noise`` when it is not given).
+        noise: ``[B, V]`` standard exponential noise (`exponential_noise`); default: drawn from ``generator``.
 
     Returns:
         ``(tokens [B], logprobs [B])``; the log-probs are of the temperature-scaled full distribution.
@@ -173,8 +184,18 @@ def sample_tokens(
         mass_before = sorted_lp.exp().cumsum(dim=-1) - sorted_lp.exp()  # [B, V] mass of more likely tokens
         drop = torch.zeros_like(filtered, dtype=torch.bool).scatter(-1, order, mass_before >= top_p)
         filtered = filtered.masked_fill(drop, float("-inf"))
-    tokens = torch.multinomial(filtered.exp(), 1, generator=generator)  # [B, 1]
-    return tokens.squeeze(1), logprobs.gather(-1, tokens).squeeze(1)
+    if noise is None:
+        noise = exponential_noise(logits.shape[0], logits.shape[1], dtype, logits.device, generator)
+    tokens = (filtered - noise.to(dtype).log()).argmax(dim=-1)  # [B]: log p_i - log E_i, largest wins
+    return tokens, logprobs.gather(-1, tokens[:, None]).squeeze(1)
+
+
+def exponential_noise(
+    rows: int, vocab: int, dtype: torch.dtype, device: torch.device, generator: torch.Generator | None
+) -> torch.Tensor:
+    """``[rows, vocab]`` standard exponential noise for `sample_tokens` (bounded away from 0, so its log is finite)."""
+    noise = torch.empty(rows, vocab, dtype=dtype, device=device).exponential_(generator=generator)
+    return noise.clamp_(min=torch.finfo(dtype).tiny)
 
 
 def check_sampling_settings(max_new_tokens: int, temperature: float | None, prefill_batch_size: int) -> None:
@@ -276,6 +297,71 @@ def prefill(
     return torch.cat(logits)
 
 
+def _decode_forward(
+    model: torch.nn.Module, cache: BudgetedCache, token: torch.Tensor, position: torch.Tensor, no_mask: torch.Tensor
+) -> torch.Tensor:
+    """One decode step: the forward of ``token [R]`` at ``position [R]`` over the cache -> next logits ``[R, V]``.
+
+    Host-sync free and free of Python state that varies per step (the step's schedule is in ``cache.step``), so
+    ``torch.compile(_decode_forward, fullgraph=True)`` traces it whole.
+    """
+    out = model(
+        input_ids=token[:, None], attention_mask=no_mask, position_ids=position[:, None], cache=cache,
+        budgeted_cache=cache, use_cache=True,
+    )
+    return out.logits[:, -1]
+
+
+_COMPILED: dict[str, object] = {}
+
+
+def compiled_decode_step(options: dict | None = None, device_type: str = "cpu"):
+    """`_decode_forward` under ``torch.compile(fullgraph=True)``, built once per set of options.
+
+    Args:
+        options: Extra keyword arguments of ``torch.compile`` (e.g. ``{"backend": "eager"}``); default: inductor,
+            with ``mode="reduce-overhead"`` (CUDA graphs) on CUDA.
+        device_type: The model's device type.
+    """
+    options = dict(options or {})
+    if device_type == "cuda" and "backend" not in options:
+        options.setdefault("mode", "reduce-overhead")
+    key = repr(sorted(options.items()))  # option values may be unhashable (e.g. inductor's ``options`` dict)
+    if key not in _COMPILED:
+        _COMPILED[key] = torch.compile(_decode_forward, fullgraph=True, **options)
+    return _COMPILED[key]
+
+
+ROW_QUANTUM = 8
+"""Compaction keeps a multiple of this many rows (padding with ended rows): CPU BLAS kernels compute a row the same
+way in any batch whose size is a multiple of their row tile (4 here, measured), not in a partial tile."""
+
+
+def _rows_to_keep(done: list[bool], pow2: bool) -> list[int] | None:
+    """Active rows to keep after a host read, None to keep them all.
+
+    The unfinished rows, padded with ended ones up to a multiple of `ROW_QUANTUM`, or (``pow2``, compiled steps) up to
+    a power of two, so that a compiled step meets at most ``log2(rows) + 1`` batch sizes.
+    """
+    alive = [i for i, d in enumerate(done) if not d]
+    target = max(len(alive), 1)
+    target = 1 << (target - 1).bit_length() if pow2 else -(-target // ROW_QUANTUM) * ROW_QUANTUM
+    target = max(target, ROW_QUANTUM)
+    if target >= len(done):
+        return None
+    alive += [i for i, d in enumerate(done) if d][: target - len(alive)]
+    return sorted(alive)
+
+
+def _check_decode_options(sync_every: int, compact: bool, compile: bool | dict) -> None:
+    if isinstance(sync_every, bool) or not isinstance(sync_every, int) or sync_every < 1:
+        raise ValueError(f"sync_every must be an integer >= 1 (decode steps between host reads), got {sync_every!r}")
+    if not isinstance(compact, bool):
+        raise ValueError(f"compact must be True or False, got {compact!r}")
+    if not isinstance(compile, (bool, dict)):
+        raise ValueError(f"compile must be True, False or a dict of torch.compile options, got {compile!r}")
+
+
 @renamed_kwargs(num_samples="num_generations")  # deprecated in 0.2.0
 @torch.no_grad()
 def generate(
@@ -293,11 +379,23 @@ def generate(
     pad_token_id: int | None = None,
     generator: torch.Generator | None = None,
     prefill_batch_size: int = 1,
+    sync_every: int = 16,
+    compact: bool = True,
+    compile: bool | dict = False,
 ) -> Rollout:
     """Sample completions with a (possibly compressed) KV cache.
 
     The model runs in eval mode under ``no_grad`` (its training flag is restored afterwards) and is switched to
     the ``lit_smd`` attention implementation if it is not already.
+
+    The decode loop never waits for the device between its host reads, one every ``sync_every`` steps: end-of-sequence
+    is tracked on the device, the budget schedule was computed when the cache was built, eviction is tensor
+    operations, and tokens are sampled by an exponential race (`sample_tokens`) from noise drawn for every row of the
+    batch. At each read, the loop stops if every row has ended, and (``compact``) rows that ended leave the batch:
+    the cache drops their slots, so the rest of the rollout costs what its unfinished rows cost. The same seeded call
+    gives the same tokens, log-probs and shadow mask for any ``sync_every``, and with or without compaction: bit for
+    bit where the matrix products compute a row alike in every batch whose size is a multiple of `ROW_QUANTUM` (the
+    CPU's do; compaction keeps such sizes), else (GPU kernels chosen by batch size) up to float rounding.
 
     Args:
         model: A Hugging Face causal LM whose attention goes through transformers' ``AttentionInterface``.
@@ -317,6 +415,13 @@ def generate(
             the next runs, so the prefill's activation peak is that of ``prefill_batch_size`` prompts; the default
             (1) gives the smallest peak and skips every pad column. Larger values batch short prompts (faster on
             GPUs) at the price of a larger peak.
+        sync_every: Decode steps between two host reads of which rows have ended (the loop's only host syncs).
+            Up to ``sync_every - 1`` steps may run after the last row ended; their output is discarded.
+        compact: Drop ended rows from the batch at each host read.
+        compile: Run each decode step through ``torch.compile(fullgraph=True)`` (on CUDA with
+            ``mode="reduce-overhead"``, i.e. CUDA graphs); a dict gives further ``torch.compile`` options. The
+            attended slots are bucketed (`lit_smd.kv.cache.slot_bucket`) and, compiled, the rows are compacted to
+            powers of two, so a rollout meets a bounded number of shapes.
 
     Returns:
         A `Rollout` with ``B * num_generations`` rows.
@@ -329,6 +434,7 @@ def generate(
         model, input_ids, attention_mask, compressor, max_new_tokens, temperature, top_p, top_k, num_generations,
         prefill_batch_size,
     )
+    _check_decode_options(sync_every, compact, compile)
     eos_ids = [] if eos_token_id is None else [eos_token_id] if isinstance(eos_token_id, int) else list(eos_token_id)
     pad_id = pad_token_id if pad_token_id is not None else (eos_ids[0] if eos_ids else 0)
     device = input_ids.device
@@ -338,40 +444,61 @@ def generate(
     )
     eos = torch.tensor(eos_ids, dtype=torch.long, device=device)
     no_mask = torch.ones(1, 1, 1, 1, dtype=torch.bool, device=device)  # as in `prefill`: transformers builds no mask
+    step_fn = _decode_forward
+    if compile is not False:
+        step_fn = compiled_decode_step(compile if isinstance(compile, dict) else None, device.type)
+    cudagraphs = compile is not False and device.type == "cuda"  # marking steps is harmless without CUDA graphs
 
     was_training = model.training
     model.eval()
     try:
         logits = prefill(model, cache, input_ids, prefill_batch_size)  # [B, V]
-        logits = logits.repeat_interleave(num_generations, dim=0)  # [B * G, V]
-        rows = logits.shape[0]
-        finished = torch.zeros(rows, dtype=torch.bool, device=device)
-        tokens, logprobs, masks = [], [], []
+        logits = logits.repeat_interleave(num_generations, dim=0)  # [R, V]
+        rows, vocab = logits.shape
+        dtype = softmax_dtype(logits.dtype)
+        tokens = torch.full((rows, max_new_tokens), pad_id, dtype=torch.long, device=device)  # [R, N]
+        logprobs = torch.zeros(rows, max_new_tokens, dtype=dtype, device=device)
+        masks = torch.zeros(rows, max_new_tokens, dtype=torch.bool, device=device)
+        finished = torch.zeros(rows, dtype=torch.bool, device=device)  # [R'] of the active rows `cache.rows`
         for step in range(max_new_tokens):
-            token, logprob = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p,
-                                           generator=generator)
+            active = cache.rows  # [R'] rows of the rollout still decoding
+            noise = exponential_noise(rows, vocab, dtype, device, generator)  # every row: draws independent of R'
+            if len(active) < rows:
+                noise = noise.index_select(0, active)
+            token, logprob = sample_tokens(logits, temperature=temperature, top_k=top_k, top_p=top_p, noise=noise)
             alive = ~finished
-            tokens.append(torch.where(alive, token, pad_id))
-            logprobs.append(torch.where(alive, logprob, 0.0))
-            masks.append(alive)
+            token = torch.where(alive, token, pad_id)
+            tokens[:, step].index_copy_(0, active, token)
+            logprobs[:, step].index_copy_(0, active, torch.where(alive, logprob, 0.0))
+            masks[:, step].index_copy_(0, active, alive)
             finished = finished | torch.isin(token, eos)
-            if step == max_new_tokens - 1 or bool(finished.all()):
+            if step == max_new_tokens - 1:
                 break
-            position = cache.decode_position(cache.prompt_width + step)[:, None]  # [B*S, 1]
-            out = model(
-                input_ids=tokens[-1][:, None], attention_mask=no_mask, position_ids=position, cache=cache,
-                budgeted_cache=cache, use_cache=True,
-            )
-            logits = out.logits[:, -1]
+            if (step + 1) % sync_every == 0:
+                done = finished.tolist()  # the host read of these `sync_every` steps
+                if all(done):
+                    break
+                keep = _rows_to_keep(done, pow2=compile is not False) if compact else None
+                if keep is not None:
+                    index = torch.tensor(keep, dtype=torch.long, device=device)
+                    cache.compact(index)
+                    finished, token = finished.index_select(0, index), token.index_select(0, index)
+            cache.prepare_step(step, finished)
+            if cudagraphs:
+                torch.compiler.cudagraph_mark_step_begin()
+            logits = step_fn(model, cache, token, cache.step.newest, no_mask)
     finally:
         model.train(was_training)
 
+    lengths = masks.sum(dim=1)  # [R]
+    last = tokens.gather(1, (lengths - 1).clamp(min=0)[:, None]).squeeze(1)
+    ended, width = torch.isin(last, eos).tolist(), int(lengths.max())
     return Rollout(
         prompt_ids=input_ids.repeat_interleave(num_generations, dim=0),
         prompt_mask=prompt_mask.repeat_interleave(num_generations, dim=0),
-        completion_ids=torch.stack(tokens, dim=1),
-        completion_mask=torch.stack(masks, dim=1),
-        logprobs=torch.stack(logprobs, dim=1),
-        finish_reason=["eos" if done else "length" for done in finished.tolist()],
-        shadow_mask=None if compressor is None else cache.shadow_mask(len(tokens)),
+        completion_ids=tokens[:, :width],
+        completion_mask=masks[:, :width],
+        logprobs=logprobs[:, :width],
+        finish_reason=["eos" if done else "length" for done in ended],
+        shadow_mask=None if compressor is None else cache.shadow_mask(width),
     )

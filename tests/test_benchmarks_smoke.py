@@ -52,6 +52,17 @@ def test_rollout_speed_benchmark(run_all, tmp_path):
     assert variants == {"hf_generate", "dense", "recent@0.5"}
 
 
+def test_decode_benchmark(run_all, tmp_path):
+    payload = _run(run_all, "decode", tmp_path)
+    results = {r["variant"]: r for r in payload["results"]}
+    assert set(results) == {"hf_generate", "lit_smd, compact=False", "lit_smd, compact=True",
+                            "lit_smd+snapkv_h2o@0.5, compact=True"}
+    # one read in 16 steps; at this size the loop ends at its first read, 15 steps after the base call's one step
+    assert results["lit_smd, compact=True"]["host_syncs_per_step"] <= 1 / 15 < results["hf_generate"][
+        "host_syncs_per_step"]
+    assert results["lit_smd, compact=True"]["tokens"] == sum(payload["lengths"])
+
+
 def test_ratio_denominator_benchmark(run_all, tmp_path):
     results = {(r["mode"], r["plan"]): r for r in _run(run_all, "ratio_denominator", tmp_path)["results"]}
     modes, plans = ("dense", "naive", "sparse_rl", "smd"), ("1x8", "2x8", "2x4")

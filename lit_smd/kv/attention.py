@@ -55,10 +55,7 @@ def lit_smd_attention(
     features = AttentionFeatures.from_call(module, kwargs)
     cache = kwargs.get("budgeted_cache")
     if cache is not None:
-        layer = cache.layers[module.layer_idx]
-        if layer.seen == 0:
-            return layer.attend_prefill(query, key, value, scaling, sliding_window, features), None
-        return layer.attend_decode(query, key, value, scaling, sliding_window, features), None
+        return cache.attend(module.layer_idx, query, key, value, scaling, sliding_window, features), None
 
     plan = kwargs.get("attention_plan")
     if plan is None:

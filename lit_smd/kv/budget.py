@@ -14,8 +14,8 @@ keys) is an error, raised before any model work; in ``"paper"`` mode this makes 
 ``min_prompt_length`` invalid (the rollout DataModule filters them).
 
 The compressors (`lit_smd.kv.compressors`) check their budget with `check_budget` and derive their shortest valid
-prompt from `shortest_prompt`; the rollout cache (`lit_smd.kv.cache`) reads `budget_at` every step and
-`resolve_budget` once after the prefill.
+prompt from `shortest_prompt`; the rollout cache (`lit_smd.kv.cache`) reads the whole schedule from `budget_at` once,
+when it is built, and `resolve_budget` once after the prefill.
 """
 
 import math
@@ -73,7 +73,11 @@ def shortest_prompt(budget: int | float, budget_mode: str, minimum: int) -> int:
 
 
 def budget_at(
-    budget: int | float, budget_mode: str, prompt_lengths: torch.Tensor, max_new_tokens: int, decoded: int
+    budget: int | float,
+    budget_mode: str,
+    prompt_lengths: torch.Tensor,
+    max_new_tokens: int,
+    decoded: int | torch.Tensor,
 ) -> torch.Tensor:
     """Keys each sequence may keep once ``decoded`` decode keys were added to its prompt (``0`` = after the prefill).
 
@@ -82,15 +86,20 @@ def budget_at(
         budget_mode: ``"paper"`` or ``"fixed"`` (ignored for an ``int`` budget).
         prompt_lengths: Real (unpadded) prompt lengths ``[B]``.
         max_new_tokens: Generation length of the rollout.
-        decoded: Decode steps so far.
+        decoded: Decode steps so far, or a tensor of them broadcastable against ``prompt_lengths`` (e.g.
+            ``prompt_lengths[:, None]`` against ``decoded [T]`` gives the whole schedule ``[B, T]``).
 
     Returns:
-        Long tensor ``[B]`` on the device of ``prompt_lengths``.
+        Long tensor of the broadcast shape (``[B]`` for an int ``decoded``) on the device of ``prompt_lengths``.
     """
     if not isinstance(budget, float):
-        return torch.full_like(prompt_lengths, int(budget))
-    seen = prompt_lengths.double() + (decoded if budget_mode == "paper" else max_new_tokens)
-    return torch.floor(budget * seen).long()
+        budgets = torch.full_like(prompt_lengths, int(budget))
+    else:
+        seen = prompt_lengths.double() + (decoded if budget_mode == "paper" else max_new_tokens)
+        budgets = torch.floor(budget * seen).long()
+    if isinstance(decoded, int):
+        return budgets
+    return budgets.expand(torch.broadcast_shapes(budgets.shape, decoded.shape)).clone()
 
 
 def resolve_budget(

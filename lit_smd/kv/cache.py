@@ -1,6 +1,6 @@
 """The budgeted rollout cache: preallocated slots, in-place eviction, and the record of what was evicted.
 
-Every layer owns slot buffers ``keys``/``values`` of shape ``[B, H_kv, capacity, D]``, allocated once at
+Every layer owns slot buffers ``keys``/``values`` of shape ``[B, H_kv, capacity, D_k / D_v]``, allocated once at
 prefill, and a slot -> logical-position map ``positions`` (``-1`` = free slot). Evicting a key only frees its
 slot; the next generated token is written into it. The cache therefore never grows past its capacity and
 never copies itself to evict (the "150 % spike" of gather-based eviction does not exist here). The buffers hold what
@@ -20,18 +20,27 @@ get ``e = prompt_length`` (the first decode query). A decode query first writes 
 (at most ``budget + 1`` keys), and then the decode compressor evicts one key if the cache is over budget; that key gets
 ``e = position + 1``.
 
-Bookkeeping. How many keys a sequence holds after each step does not depend on the layer, the head or the
-attention numerics (one key in per step, at most one out), so the cache derives it from the budget schedule
-(`lit_smd.kv.budget.budget_at`) once per step: which rows must evict, and (host side) whether any row must, so
-a step where no row is over budget skips the compressor entirely. Occupied slots always form a prefix
-``[0, kept)`` plus at most one hole, the slot of the key evicted in the previous step; the next key goes into that
-hole, or at the end. Per step, layer and row, the work is a constant number of ops over the ``capacity`` slots
-(the budget plus one), with no loop over rows.
+Bookkeeping, with no host sync. How many keys a sequence holds after each step does not depend on the layer, the
+head or the attention numerics (one key in per step, at most one out), so the cache derives the whole schedule from
+the budgets (`lit_smd.kv.budget.budget_at`) once, when it is built: per step and row, the keys held and whether the
+row evicts (device tensors, read by index each step), and per step, on the host, whether any row evicts (else the
+compressor does not run) and how many slots the step attends over (`slot_bucket` of the most any row holds: the
+occupied slots, not the capacity). Occupied slots always form a prefix ``[0, kept)`` plus at most one hole, the slot
+of the key evicted in the previous step; the next key goes into that hole, or at the end. Per step, layer and row,
+the work is a constant number of tensor operations over the attended slots, with no loop over rows and no branch on
+a tensor's value, so a decode step can be compiled whole and captured as a CUDA graph (`lit_smd.rollout.generate`).
+
+Finished rows. `BudgetedCache.compact` drops rows from the slot buffers (the rollout compacts out rows that ended);
+the eviction record keeps every row of the rollout, and `BudgetedCache.rows` maps the active rows to it. A row's
+record freezes when it ends (`BudgetedCache.prepare_step` ``finished``): later evictions still free its slots but are
+not recorded, so the record does not depend on when, or whether, the row left the batch.
 
 The attention math of the rollout lives here too, because eviction needs the exact attention probabilities
-of the rollout: `BudgetedLayer.attend_prefill` and `BudgetedLayer.attend_decode` are called by the registered
-attention function (`lit_smd.kv.attention`). The prompt attention and the prompt scores (SnapKV's window rows,
-H2O's column sums), computed strip by strip with no ``P x P`` buffer, are in `lit_smd.kv.prefill`.
+of the rollout: the registered attention function (`lit_smd.kv.attention`) calls `BudgetedCache.attend`, which runs
+`BudgetedLayer.attend_prefill` or `BudgetedLayer.attend_decode`. A layer holds tensors only and is handed its cache
+on every call: no reference cycle, so the slots are freed as soon as the rollout drops its cache.
+The prompt attention and the prompt scores (SnapKV's window rows, H2O's column sums), computed strip by strip with
+no ``P x P`` buffer, are in `lit_smd.kv.prefill`.
 """
 
 from __future__ import annotations
@@ -63,6 +72,7 @@ class PromptBatch:
         lengths: ``[m]`` real prompt lengths.
         pad_left: ``[m]`` pad columns in front of each prompt (in the trimmed width ``W``).
         keep: ``[m]`` prompt keys each prompt keeps (its prefill budget, at most its length).
+        max_keep: The largest of ``keep`` (known on the host).
         rows: The cache rows of the micro-batch's samples (``start * S : stop * S``).
     """
 
@@ -72,84 +82,129 @@ class PromptBatch:
     lengths: torch.Tensor
     pad_left: torch.Tensor
     keep: torch.Tensor
+    max_keep: int
     rows: slice
 
 
 @dataclass
 class _DecodeStep:
-    """What one decode step means for every layer (computed once per step by `BudgetedCache.decode_step`).
+    """What one decode step means for every layer (set by `BudgetedCache.prepare_step`; device tensors only).
 
     Attributes:
-        seen: Columns processed before the step.
-        newest: ``[R]`` logical position of the step's query.
-        written: ``[R]`` keys each row holds once the step's key is written.
-        over: ``[R]`` bool, rows that evict one key after attending; None when no row does (no compressor work).
+        index: The decode step (0 = the forward of the first sampled token).
+        newest: ``[R]`` logical position of the step's query, per active row.
+        written: ``[R]`` keys each active row holds once the step's key is written.
+        over: ``[R]`` bool, active rows that evict one key after attending (by the budget schedule).
+        record: ``[R]`` bool, the rows of ``over`` whose eviction enters the shadow-mask record: not those that have
+            ended (a row's record is frozen at its end, whether or not it stays in the batch).
+        width: Slots attended: the occupied ones of every row of the rollout, rounded up to a bucket
+            (`slot_bucket`).
+        evicts: Whether some row of the rollout evicts at this step (else the compressor does not run).
+        noise: ``[L, R, H_kv, width]`` uniform noise of a compressor that draws it (`DecodeState.noise`), else None.
     """
 
-    seen: int
+    index: int
     newest: torch.Tensor
     written: torch.Tensor
-    over: torch.Tensor | None
+    over: torch.Tensor
+    record: torch.Tensor
+    width: int
+    evicts: bool
+    noise: torch.Tensor | None
+
+
+def slot_bucket(slots: int, capacity: int) -> int:
+    """The slots a decode step attends over when ``slots`` are in use: rounded up to a bucket, at most ``capacity``.
+
+    Buckets are multiples of a quarter of the power of two below ``slots`` (and at least 64): at most four widths per
+    doubling of the context (so a compiled decode step meets a bounded number of shapes) and at most 25 % padding.
+    """
+    quantum = 1 << max(0, slots.bit_length() - 3)
+    return min(capacity, max(64, -(-slots // quantum) * quantum))
+
+
+_PER_ROW = ("keys", "values", "positions", "accumulated", "free_slot")
+"""The per-row buffers of a layer that `BudgetedLayer.compact` shrinks."""
 
 
 class BudgetedLayer(CacheLayerMixin):
-    """One decoder layer's slot buffers, eviction record and rollout attention."""
+    """One decoder layer's slot buffers, eviction record and rollout attention.
+
+    A layer holds tensors only; the `BudgetedCache` that owns it passes itself to every method that needs the rollout's
+    state, so no reference cycle keeps the slots alive after the rollout (they are freed as soon as the cache is
+    dropped, without waiting for the garbage collector).
+    """
 
     is_compileable = False
     is_croppable = False
     is_sliding = False
 
-    def __init__(self, cache: BudgetedCache, layer_idx: int) -> None:
+    def __init__(self, num_rows: int, capacity: int, max_length: int) -> None:
         super().__init__()
-        self.cache = cache
-        self.layer_idx = layer_idx
-        self.seen = 0  # columns processed so far (prompt width after the prefill, then one per decode step)
+        self.num_rows, self.capacity, self.max_length = num_rows, capacity, max_length
         self._prompt_kv: tuple[torch.Tensor, torch.Tensor] | None = None
 
     # -- CacheLayerMixin -------------------------------------------------------------------------------------
     def lazy_initialization(self, key_states: torch.Tensor, value_states: torch.Tensor) -> None:
-        cache = self.cache
-        rows, kv_heads, device = cache.num_rows, key_states.shape[1], key_states.device
-        self.keys = key_states.new_zeros(rows, kv_heads, cache.capacity, key_states.shape[-1])
-        self.values = value_states.new_zeros(rows, kv_heads, cache.capacity, value_states.shape[-1])
-        self.positions = torch.full((rows, kv_heads, cache.capacity), -1, dtype=torch.long, device=device)
-        self.accumulated = torch.zeros(
-            rows, kv_heads, cache.capacity, dtype=_softmax_dtype(key_states.dtype), device=device
-        )
-        self.evict_steps = torch.full((rows, kv_heads, cache.max_length), NEVER, dtype=torch.int32, device=device)
+        rows, kv_heads, capacity, device = self.num_rows, key_states.shape[1], self.capacity, key_states.device
+        self.keys = key_states.new_zeros(rows, kv_heads, capacity, key_states.shape[-1])
+        self.values = value_states.new_zeros(rows, kv_heads, capacity, value_states.shape[-1])
+        self.positions = torch.full((rows, kv_heads, capacity), -1, dtype=torch.long, device=device)
+        self.accumulated = torch.zeros(rows, kv_heads, capacity, dtype=_softmax_dtype(key_states.dtype), device=device)
+        # Rows of the whole rollout (finished rows leave the slot buffers, not the record).
+        self.evict_steps = torch.full((rows, kv_heads, self.max_length), NEVER, dtype=torch.int32, device=device)
         self.free_slot = torch.zeros(rows, kv_heads, 1, dtype=torch.long, device=device)  # where the next key goes
+        self.heads = torch.arange(kv_heads, device=device)[None, :, None]  # [1, Hkv, 1]
         self.device = device
         self.is_initialized = True
+        self._mark_static()
 
     def update(self, key_states: torch.Tensor, value_states: torch.Tensor, *args, **kwargs):
+        raise RuntimeError("BudgetedLayer is written through BudgetedCache.update")
+
+    def write(self, cache: BudgetedCache, key_states: torch.Tensor, value_states: torch.Tensor):
+        """Stash the prompt's keys (prefill) or write the decode key into the free slot; returns the slot buffers."""
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
-        if self.seen == 0:  # prefill: attention needs the whole prompt; slots are filled after selection
+        if cache.prefilling:  # attention needs the whole prompt; slots are filled after selection
             self._prompt_kv = (key_states, value_states)
             return key_states, value_states
         if key_states.shape[2] != 1:
             raise NotImplementedError("BudgetedCache decodes one token per forward (no chunked prefill)")
-        slot = self.free_slot  # [B, Hkv, 1]
+        slot = self.free_slot  # [R, Hkv, 1]
         self.keys.scatter_(2, slot[..., None].expand(-1, -1, 1, key_states.shape[-1]), key_states)
         self.values.scatter_(2, slot[..., None].expand(-1, -1, 1, value_states.shape[-1]), value_states)
-        newest = self.cache.decode_step(self.seen).newest  # [B]
-        self.positions.scatter_(2, slot, newest[:, None, None].expand_as(slot))
-        if self.cache.accumulates:
+        self.positions.scatter_(2, slot, cache.step.newest[:, None, None].expand_as(slot))
+        if cache.accumulates:
             self.accumulated.scatter_(2, slot, torch.zeros_like(slot, dtype=self.accumulated.dtype))
         return self.keys, self.values
 
     def get_seq_length(self) -> int:
-        return self.seen  # tokens seen, not kept: HF's default positions stay the original ones
+        return 0  # the cache answers (`BudgetedCache.get_seq_length`): a layer does not know the step
 
     def get_mask_sizes(self, query_length: int) -> tuple[int, int]:
-        return self.seen + query_length, 0
+        return self.max_length, 0
 
     def get_max_length(self) -> int:
         return -1
 
+    def compact(self, keep: torch.Tensor) -> None:
+        """Keep only the active rows ``keep`` (indices into the current rows) in the slot buffers."""
+        for name in _PER_ROW:
+            setattr(self, name, getattr(self, name).index_select(0, keep))
+        self._mark_static()
+
+    def _mark_static(self) -> None:
+        """On CUDA, let a CUDA-graphed decode step update the buffers in place (static addresses, no copies); a
+        compaction moves them, and the graph is then recorded again (at most once per batch size)."""
+        if self.device.type == "cuda":
+            for name in (*_PER_ROW, "evict_steps"):
+                torch._dynamo.mark_static_address(getattr(self, name), guard=False)
+
     # -- rollout attention -----------------------------------------------------------------------------------
     def attend_prefill(
         self,
+        cache: BudgetedCache,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -160,30 +215,29 @@ class BudgetedLayer(CacheLayerMixin):
         """Dense prefill attention of the current micro-batch, then prompt selection into its slots.
 
         ``key`` / ``value`` are what the attention module passes (``[m, H_k, W, D_k]`` / ``[m, H_k, W, D_v]``); the
-        slots store what it gave the cache, which is the same except for MLA (one latent head, expanded to
-        ``H_k`` heads after the cache): selection is per cache head, over the statistics of its ``H_k / H_cache``
-        attention heads (`PrefillContext.cache_heads`). When the compressor accumulates attention (H2O), its column
-        sums come from the same pass as the output (and SnapKV's window rows with them); softcap and sinks
-        (``features``) shape those probabilities as they shape the output. Returns ``[m, W, H_q, D_v]``.
+        slots store what it gave the cache, which is the same except for MLA (one latent head, expanded to ``H_k``
+        heads after the cache): selection is per cache head, over the statistics of its ``H_k / H_cache`` attention
+        heads (`PrefillContext.cache_heads`). When the compressor accumulates attention (H2O), its column sums come
+        from the same pass as the output (and SnapKV's window rows with them); softcap and sinks (``features``)
+        shape those probabilities as they shape the output. Returns ``[m, W, H_q, D_v]``.
         """
         cached_key, cached_value = self._prompt_kv
         self._prompt_kv = None
-        cache, batch = self.cache, self.cache.prefill_batch
-        compressor = cache.compressor
+        batch, compressor = cache.prefill_batch, cache.compressor
         ctx = PrefillContext(
             query, key, value, scaling, batch.positions, batch.lengths - 1, sliding_window, cache.generator, features,
             cache_heads=cached_key.shape[1],
         )  # fmt: skip
         out = ctx.attend(column_sums=cache.accumulates, window=getattr(compressor, "observation_window", 0))
-        self._select_prompt(ctx, cached_key, cached_value)
+        self._select_prompt(cache, ctx, cached_key, cached_value)
         return out.contiguous()  # [m, W, Hq, Dv]
 
-    def _select_prompt(self, ctx: PrefillContext, key: torch.Tensor, value: torch.Tensor) -> None:
+    def _select_prompt(self, cache: BudgetedCache, ctx: PrefillContext, key: torch.Tensor, value: torch.Tensor) -> None:
         """Keep each prompt's ``batch.keep`` best-scoring keys in slots ``[0, keep)``, in position order.
 
         ``key`` / ``value``: ``[m, H_cache, W, *]``, what the model gave the cache during the prefill.
         """
-        cache, batch = self.cache, self.cache.prefill_batch
+        batch = cache.prefill_batch
         prompts, kv_heads, width, _ = key.shape
         positions = batch.positions  # [m, W]
         real = positions >= 0
@@ -193,7 +247,7 @@ class BudgetedLayer(CacheLayerMixin):
         else:
             scores = compressor.prefill_scores(ctx).float()  # [m, Hkv, W]
         scores = scores.masked_fill(~real[:, None, :], float("-inf"))
-        kept = int(batch.keep.max())
+        kept = batch.max_keep
         ranked = scores.argsort(dim=-1, descending=True, stable=True)[..., :kept]  # [m, Hkv, K] best first
         keep = (torch.arange(kept, device=key.device) < batch.keep[:, None])[:, None, :]  # [m, 1, K]
         # Kept columns first, in position order: occupied slots form the prefix [0, keep).
@@ -202,13 +256,12 @@ class BudgetedLayer(CacheLayerMixin):
         keep = keep.expand(-1, kv_heads, -1).gather(-1, order)
 
         rows, samples = batch.rows, cache.num_generations
-        gather_k = columns[..., None].expand(-1, -1, -1, key.shape[-1])
-        gather_v = columns[..., None].expand(-1, -1, -1, value.shape[-1])
-        self.keys[rows, :, :kept] = key.gather(2, gather_k).repeat_interleave(samples, dim=0)
-        self.values[rows, :, :kept] = value.gather(2, gather_v).repeat_interleave(samples, dim=0)
+        for source, slots in ((key, self.keys), (value, self.values)):  # key and value head sizes may differ
+            picked = source.gather(2, columns[..., None].expand(-1, -1, -1, source.shape[-1]))  # [m, Hkv, K, D]
+            slots[rows, :, :kept] = picked.repeat_interleave(samples, dim=0)
         slot_pos = positions[:, None, :].expand(-1, kv_heads, -1).gather(-1, columns).masked_fill(~keep, -1)
         self.positions[rows, :, :kept] = slot_pos.repeat_interleave(samples, dim=0)
-        if self.cache.accumulates:
+        if cache.accumulates:
             sums = ctx.attention_column_sums().gather(-1, columns).masked_fill(~keep, 0.0)
             self.accumulated[rows, :, :kept] = sums.to(self.accumulated.dtype).repeat_interleave(samples, dim=0)
         self.free_slot[rows] = batch.keep.repeat_interleave(samples)[:, None, None]
@@ -225,6 +278,8 @@ class BudgetedLayer(CacheLayerMixin):
 
     def attend_decode(
         self,
+        cache: BudgetedCache,
+        layer_idx: int,
         query: torch.Tensor,
         key: torch.Tensor,
         value: torch.Tensor,
@@ -232,49 +287,55 @@ class BudgetedLayer(CacheLayerMixin):
         sliding_window: int | None,
         features: AttentionFeatures,
     ) -> torch.Tensor:
-        """One decode query over the slots, then at most one eviction per (sequence, cache head).
+        """One decode query over the occupied slots, then at most one eviction per (sequence, cache head).
 
-        ``key`` / ``value`` (``[B, H_k, C, D_k]`` / ``[B, H_k, C, D_v]``) are the slots as the attention module
-        passes them: the buffers themselves, or for MLA the one latent head expanded to ``H_k`` heads, each of the
-        ``H_k / H_cache`` heads of a cache head reading its slots. Softcap and sinks (``features``) apply as in the
-        model's eager attention; H2O accumulates the resulting probabilities (without the sink's share) per cache
-        head. Returns ``[B, 1, H_q, D_v]``.
+        ``key`` / ``value`` (``[R, H_k, C, D_k]`` / ``[R, H_k, C, D_v]``) are the slots as the attention module passes
+        them: the buffers themselves, or for MLA the one latent head expanded to ``H_k`` heads, each of the
+        ``H_k / H_cache`` heads of a cache head reading its slots. Tensor operations only (no host sync, no branch on a
+        tensor's value): the step's schedule was prepared by `BudgetedCache.prepare_step`. Softcap and sinks
+        (``features``) apply as in the model's eager attention; H2O accumulates the resulting probabilities (without
+        the sink's share) per cache head. Returns ``[R, 1, H_q, D_v]``.
         """
         rows, q_heads, _, dim = query.shape
         key_heads, cache_heads = key.shape[1], self.positions.shape[1]
         dtype = _softmax_dtype(query.dtype)
-        step = self.cache.decode_step(self.seen)
-        grouped = query.reshape(rows, key_heads, q_heads // key_heads, dim)  # [B, Hk, G, D]
-        scores = features.cap(torch.matmul(grouped, key.transpose(-1, -2)).to(dtype) * scaling)  # [B, Hk, G, C]
-        scores = scores.view(rows, cache_heads, q_heads // cache_heads, -1)  # [B, Hc, Hq / Hc, C]
-        visible = self.positions >= 0  # [B, Hc, C]
+        step = cache.step
+        width = step.width
+        keys, values, positions = key[:, :, :width], value[:, :, :width], self.positions[:, :, :width]
+        grouped = query.reshape(rows, key_heads, q_heads // key_heads, dim)  # [R, Hk, G, Dk]
+        scores = features.cap(torch.matmul(grouped, keys.transpose(-1, -2)).to(dtype) * scaling)  # [R, Hk, G, W]
+        scores = scores.view(rows, cache_heads, q_heads // cache_heads, -1)  # [R, Hc, Hq / Hc, W]
+        visible = positions >= 0  # [R, Hc, W]
         if sliding_window is not None:
-            visible &= (step.newest[:, None, None] - self.positions) < sliding_window
+            visible &= (step.newest[:, None, None] - positions) < sliding_window
         scores = scores.masked_fill(~visible[:, :, None, :], float("-inf"))
         sinks = None if features.sinks is None else features.sinks.to(dtype).view(1, cache_heads, -1, 1)
-        probs = normalise(scores, sinks)  # [B, Hc, Hq / Hc, C]
-        out = torch.matmul(probs.view(grouped.shape[:3] + (-1,)).to(value.dtype), value)  # [B, Hk, G, Dv]
-        self.seen += 1
-        compressor = self.cache.compressor
-        if self.cache.accumulates:
-            self.accumulated += probs.sum(dim=2)
-        if step.over is None:  # no row is over budget this step: the key stays, the next goes after it
-            self.free_slot = step.written[:, None, None].expand(-1, cache_heads, 1)
-        else:
-            self._evict(compressor, step)
-        return out.reshape(rows, 1, q_heads, value.shape[-1])
+        probs = normalise(scores, sinks)  # [R, Hc, Hq / Hc, W]
+        out = torch.matmul(probs.view(*grouped.shape[:3], -1).to(values.dtype), values)  # [R, Hk, G, Dv]
+        if cache.accumulates:
+            self.accumulated[:, :, :width] += probs.sum(dim=2)
+        if step.evicts:
+            self._evict(cache, layer_idx, step)
+        else:  # no row is over budget this step: the key stays, the next goes after it
+            self.free_slot.copy_(step.written[:, None, None].expand_as(self.free_slot))
+        return out.reshape(rows, 1, q_heads, values.shape[-1])
 
-    def _evict(self, compressor: Compressor, step: _DecodeStep) -> None:
-        state = DecodeState(self.positions, self.accumulated, step.newest, self.cache.generator)
-        scores = compressor.decode_scores(state).masked_fill(self.positions < 0, float("inf"))  # [B, Hkv, C]
-        victim = scores.argmin(dim=-1, keepdim=True)  # [B, Hkv, 1]
-        over = step.over[:, None, None]  # [B, 1, 1]
-        victim_pos = self.positions.gather(-1, victim)  # [B, Hkv, 1] (a real key: free slots scored +inf)
-        old_steps = self.evict_steps.gather(-1, victim_pos)
-        new_steps = torch.where(over, (step.newest + 1).to(torch.int32)[:, None, None], old_steps)
-        self.evict_steps.scatter_(-1, victim_pos, new_steps)
-        self.positions.scatter_(-1, victim, victim_pos.masked_fill(over, -1))
-        self.free_slot = torch.where(over, victim, step.written[:, None, None])
+    def _evict(self, cache: BudgetedCache, layer_idx: int, step: _DecodeStep) -> None:
+        """Evict the lowest-scoring key of each row over budget (``step.over``), as masked tensor operations."""
+        width = step.width
+        positions = self.positions[:, :, :width]  # [R, Hkv, W] (a view: written in place)
+        noise = None if step.noise is None else step.noise[layer_idx]
+        state = DecodeState(positions, self.accumulated[:, :, :width], step.newest, cache.generator, noise)
+        scores = cache.compressor.decode_scores(state).masked_fill(positions < 0, float("inf"))  # [R, Hkv, W]
+        victim = scores.argmin(dim=-1, keepdim=True)  # [R, Hkv, 1]
+        over = step.over[:, None, None]  # [R, 1, 1]
+        victim_pos = positions.gather(-1, victim)  # [R, Hkv, 1] (a real key where over: free slots scored +inf)
+        index = (cache.rows[:, None, None], self.heads, victim_pos.clamp(min=0))  # into the rollout's record
+        record = step.record[:, None, None]  # [R, 1, 1]
+        new_steps = torch.where(record, (step.newest + 1).to(torch.int32)[:, None, None], self.evict_steps[index])
+        self.evict_steps.index_put_(index, new_steps)
+        positions.scatter_(-1, victim, victim_pos.masked_fill(over, -1))
+        self.free_slot.copy_(torch.where(over, victim, step.written[:, None, None]))
 
 
 class BudgetedCache(Cache):
@@ -282,10 +343,12 @@ class BudgetedCache(Cache):
 
     Built by `lit_smd.rollout.generate`; pass it to the model as ``cache=`` *and* as the ``budgeted_cache=``
     keyword (the registered attention function reads it from there). The prefill runs in micro-batches of
-    prompts: `begin_prefill` before each micro-batch's forward, `end_prefill` after the last.
+    prompts: `begin_prefill` before each micro-batch's forward, `end_prefill` after the last. Each decode forward
+    needs its step prepared (`prepare_step`); a caller that does not prepare steps gets them prepared in order (the
+    forward of decode step ``t`` feeds the token sampled ``t``-th, at position `decode_position`).
 
     The slot buffers are allocated once, with ``capacity`` = the most keys any row holds at any step (its largest
-    budget, plus the slot of the key written before an eviction).
+    budget, plus the slot of the key written before an eviction). `compact` drops finished rows from them.
 
     Args:
         num_layers: Decoder layers of the model.
@@ -312,14 +375,16 @@ class BudgetedCache(Cache):
         self.num_generations = num_generations
         self.max_new_tokens = max_new_tokens
         self.prompt_width = prompt_mask.shape[1]
+        device = prompt_mask.device
         self.prompt_lengths = prompt_mask.sum(dim=1)  # [B]
         self.pad_left = self.prompt_width - self.prompt_lengths  # [B]
-        columns = torch.arange(self.prompt_width, device=prompt_mask.device)
+        columns = torch.arange(self.prompt_width, device=device)
         self.prompt_positions = torch.where(prompt_mask, columns[None, :] - self.pad_left[:, None], -1)  # [B, P]
         self.max_length = self.prompt_width + max_new_tokens
         self.evicts = compressor is not None and compressor.evicts_during_decode
         self.accumulates = compressor is not None and compressor.accumulates_attention
-        # The schedule is tiny ([B] per step) and read on the host every step: keep it on the CPU.
+        self.draws_noise = self.evicts and getattr(compressor, "draws_noise", False)
+        # The schedule is derived once, on the host, from the prompt lengths (the one read of the device here).
         self._lengths_cpu = self.prompt_lengths.cpu()
         if compressor is None:
             self.prompt_budgets = self.prompt_lengths
@@ -329,37 +394,54 @@ class BudgetedCache(Cache):
                 type(compressor).__name__, compressor.budget_mode,
             )
         self._keep_cpu = torch.minimum(self.prompt_budgets.cpu(), self._lengths_cpu)  # [B] kept after the prefill
-        self.prompt_keep = self._keep_cpu.to(prompt_mask.device)
-        last = max(max_new_tokens - 2, 0)  # keys held before the last decode step's write (N - 1 decode steps)
-        held = self._kept_after(last) + (1 if max_new_tokens > 1 else 0)
-        self.capacity = int(torch.maximum(held, self._keep_cpu).max())
-        self.row_prompt_lengths = self.prompt_lengths.repeat_interleave(num_generations)  # [B * S]
+        self.prompt_keep = self._keep_cpu.to(device)
         self.num_rows = prompt_mask.shape[0] * num_generations
+        self.row_prompt_lengths = self.prompt_lengths.repeat_interleave(num_generations)  # [B * S]
+        self._build_schedule(device)
         self.generator = generator
         self.prefill_batch: PromptBatch | None = None
-        self._step: _DecodeStep | None = None
+        self.prefilling = True
+        self.rows = torch.arange(self.num_rows, device=device)  # rows of the rollout still in the slot buffers
+        self.step: _DecodeStep | None = None
+        self.steps_done = 0  # decode forwards run so far
+        self._driven = False  # True once a caller prepares its own steps (`prepare_step`)
         if compressor is not None:
             self._warn_if_nothing_evicted()
-        super().__init__(layers=[BudgetedLayer(self, i) for i in range(num_layers)])
+        super().__init__(
+            layers=[BudgetedLayer(self.num_rows, self.capacity, self.max_length) for _ in range(num_layers)]
+        )
 
     # -- budget schedule ---------------------------------------------------------------------------------------
-    def _budget_cpu(self, decoded: int) -> torch.Tensor:
-        """``[B]`` budgets once ``decoded`` decode keys were written (no limit for policies that do not evict)."""
-        compressor = self.compressor
-        return budget_at(compressor.budget, compressor.budget_mode, self._lengths_cpu, self.max_new_tokens, decoded)
+    def _build_schedule(self, device: torch.device) -> None:
+        """The whole decode schedule, once: keys held and evictions per step and row (device), widths (host).
 
-    def _kept_after(self, decoded: int) -> torch.Tensor:
-        """``[B]`` keys held after ``decoded`` decode steps (evictions included).
-
-        ``kept_t = min(kept_{t-1} + 1, budget_t)`` with ``kept_0 = min(budget_0, P)``; budgets grow by at most one
-        key per step, so this is ``min(kept_0 + t, budget_t)``.
+        After ``t`` decode steps a row holds ``kept_t = min(kept_0 + t, budget_t)`` keys, ``kept_0 = min(budget_0,
+        P)`` (budgets grow by at most one key per step). Decode step ``t`` writes its key (``kept_t + 1`` held) and
+        evicts one iff that exceeds ``budget_{t+1}``.
         """
-        grown = self._keep_cpu + decoded
-        return torch.minimum(grown, self._budget_cpu(decoded)) if self.evicts else grown
+        steps = max(self.max_new_tokens - 1, 0)  # decode forwards: the last sampled token is not fed back
+        decoded = torch.arange(steps + 1)  # [T + 1]
+        held = self._keep_cpu[:, None] + decoded  # [B, T + 1]
+        if self.evicts:
+            compressor = self.compressor
+            budgets = budget_at(compressor.budget, compressor.budget_mode, self._lengths_cpu[:, None],
+                                self.max_new_tokens, decoded)  # [B, T + 1]
+            held = torch.minimum(held, budgets)
+            over = (held[:, :steps] + 1) > budgets[:, 1:]  # [B, T]
+        else:
+            over = torch.zeros(held.shape[0], steps, dtype=torch.bool)
+        self._held_cpu = held  # [B, T + 1] keys held after t decode steps
+        written = held[:, :steps] + 1  # [B, T]
+        self.capacity = int(torch.cat([self._keep_cpu, written.flatten()]).max())
+        samples = self.num_generations
+        self._written = written.t().repeat_interleave(samples, dim=1).contiguous().to(device)  # [T, B * S]
+        self._over = over.t().repeat_interleave(samples, dim=1).contiguous().to(device)  # [T, B * S]
+        self._evicts_at = over.any(dim=0).tolist()  # [T] host: some row evicts at step t
+        self._width_at = [slot_bucket(int(n), self.capacity) for n in written.max(dim=0).values.tolist()]
 
     def _warn_if_nothing_evicted(self) -> None:
         keys = self._lengths_cpu + max(self.max_new_tokens - 1, 0)  # keys written by the end (last token not fed)
-        kept = self._kept_after(max(self.max_new_tokens - 1, 0))
+        kept = self._held_cpu[:, -1]
         if bool((self._keep_cpu == self._lengths_cpu).all()) and bool((kept == keys).all()):
             compressor = self.compressor
             fixed = isinstance(compressor.budget, float) and compressor.budget_mode == "fixed"
@@ -372,25 +454,87 @@ class BudgetedCache(Cache):
                 stacklevel=3,
             )
 
-    def decode_step(self, seen: int) -> _DecodeStep:
-        """The decode step after ``seen`` processed columns, shared by all layers (computed by the first)."""
-        if self._step is not None and self._step.seen == seen:
-            return self._step
-        decoded = seen - self.prompt_width + 1  # decode keys written once this step's key is in
-        device = self.prompt_lengths.device
-        written = self._kept_after(decoded - 1) + 1  # [B] on the CPU
-        over = None
-        if self.evicts:
-            over_cpu = written > self._budget_cpu(decoded)
-            if bool(over_cpu.any()):
-                over = over_cpu.repeat_interleave(self.num_generations).to(device)
-        self._step = _DecodeStep(
-            seen=seen,
-            newest=self.decode_position(seen),
-            written=written.repeat_interleave(self.num_generations).to(device),
+    def prepare_step(self, step: int, finished: torch.Tensor | None = None) -> _DecodeStep:
+        """Set up decode step ``step`` for every layer: device tensors from the schedule, no host sync.
+
+        Args:
+            step: The decode step (0 = the forward that feeds the first sampled token).
+            finished: ``[R]`` bool of the active rows that have ended (their record is frozen: evictions still free
+                their slots, but are not recorded).
+
+        Returns:
+            The step, also kept as `step` until the next one.
+        """
+        self._driven = True
+        return self._prepare(step, finished)
+
+    def _prepare(self, step: int, finished: torch.Tensor | None) -> _DecodeStep:
+        if self.prefilling:
+            raise RuntimeError("end_prefill() must run before the decode steps")
+        if not 0 <= step < len(self._evicts_at):
+            raise ValueError(f"step must be in [0, {len(self._evicts_at)}) (max_new_tokens - 1 decode forwards), "
+                             f"got {step}")
+        rows = self.rows
+        over = self._over[step].index_select(0, rows)  # [R]
+        record = over if finished is None else over & ~finished
+        noise = None
+        evicts = self._evicts_at[step]
+        width = self._width_at[step]
+        if evicts and self.draws_noise:  # drawn for every row of the rollout: a row's draws do not depend on the rest
+            layer = self.layers[0]
+            shape = (len(self.layers), self.num_rows, layer.keys.shape[1], width)
+            noise = torch.rand(shape, generator=self.generator, device=rows.device).index_select(1, rows)
+        self.step = _DecodeStep(
+            index=step,
+            newest=self.row_prompt_lengths.index_select(0, rows) + step,
+            written=self._written[step].index_select(0, rows),
             over=over,
+            record=record,
+            width=width,
+            evicts=evicts,
+            noise=noise,
         )
-        return self._step
+        return self.step
+
+    def compact(self, keep: torch.Tensor) -> None:
+        """Keep only the active rows ``keep`` (``[R']`` indices into `rows`) in the slot buffers, e.g. unfinished ones.
+
+        The eviction record keeps every row of the rollout; later steps write the kept rows' records by their row in
+        the rollout (`rows`).
+        """
+        for layer in self.layers:
+            if layer.is_initialized:
+                layer.compact(keep)
+        self.rows = self.rows.index_select(0, keep)
+
+    # -- transformers Cache --------------------------------------------------------------------------------------
+    def update(self, key_states: torch.Tensor, value_states: torch.Tensor, layer_idx: int, *args, **kwargs):
+        if not self.prefilling and layer_idx == 0 and not self._driven:
+            self._prepare(self.steps_done, None)  # a caller that does not prepare its steps: the next one in order
+        return self.layers[layer_idx].write(self, key_states, value_states)
+
+    def attend(
+        self,
+        layer_idx: int,
+        query: torch.Tensor,
+        key: torch.Tensor,
+        value: torch.Tensor,
+        scaling: float,
+        sliding_window: int | None,
+        features: AttentionFeatures,
+    ) -> torch.Tensor:
+        """The rollout attention of layer ``layer_idx`` (called by the registered attention function) over the
+        ``key`` / ``value`` the attention module passes (the slot buffers, or MLA's expansion of them)."""
+        layer = self.layers[layer_idx]
+        if self.prefilling:
+            return layer.attend_prefill(self, query, key, value, scaling, sliding_window, features)
+        out = layer.attend_decode(self, layer_idx, query, key, value, scaling, sliding_window, features)
+        if layer_idx == len(self.layers) - 1 and not self._driven:
+            self.steps_done += 1
+        return out
+
+    def get_seq_length(self, layer_idx: int = 0) -> int:
+        return self.prompt_width + (self.steps_done if self.step is None else self.step.index)  # columns processed
 
     # -- prefill -----------------------------------------------------------------------------------------------
     def begin_prefill(self, start: int, stop: int) -> PromptBatch:
@@ -399,10 +543,10 @@ class BudgetedCache(Cache):
         Feed the model ``input_ids[start:stop, -batch.positions.shape[1]:]`` with ``position_ids =
         batch.positions.clamp(min=0)``.
         """
-        if self.layers[0].seen:
+        if not self.prefilling:
             raise RuntimeError("the prefill of this BudgetedCache has ended; decode steps follow")
         lengths = self.prompt_lengths[start:stop]
-        trim = self.prompt_width - int(lengths.max())  # pad columns every prompt of the micro-batch has
+        trim = self.prompt_width - int(self._lengths_cpu[start:stop].max())  # pad columns every prompt shares
         samples = self.num_generations
         self.prefill_batch = PromptBatch(
             start=start,
@@ -411,6 +555,7 @@ class BudgetedCache(Cache):
             lengths=lengths,
             pad_left=self.pad_left[start:stop] - trim,
             keep=self.prompt_keep[start:stop],
+            max_keep=int(self._keep_cpu[start:stop].max()),
             rows=slice(start * samples, stop * samples),
         )
         return self.prefill_batch
@@ -418,13 +563,27 @@ class BudgetedCache(Cache):
     def end_prefill(self) -> None:
         """Every prompt has been prefilled: decode steps follow."""
         self.prefill_batch = None
-        for layer in self.layers:
-            layer.seen = self.prompt_width
+        self.prefilling = False
 
     # -- reading -----------------------------------------------------------------------------------------------
     def decode_position(self, seen: int) -> torch.Tensor:
         """Logical position ``[B * S]`` of the decode query that follows ``seen`` processed columns."""
         return self.row_prompt_lengths + (seen - self.prompt_width)
+
+    def decode_step(self, seen: int) -> _DecodeStep:
+        """The decode step after ``seen`` processed columns (`prepare_step` of ``seen - prompt_width``) for reading.
+
+        Its ``over`` is None when no row evicts at that step (kept for callers of the per-step API before
+        `prepare_step`).
+        """
+        step = seen - self.prompt_width
+        rows = self.rows
+        over = self._over[step].index_select(0, rows) if self._evicts_at[step] else None
+        return _DecodeStep(
+            index=step, newest=self.row_prompt_lengths.index_select(0, rows) + step,
+            written=self._written[step].index_select(0, rows), over=over, record=over, width=self._width_at[step],
+            evicts=self._evicts_at[step], noise=None,
+        )
 
     def kv_bytes(self) -> int:
         """Bytes held by the key/value slot buffers of all layers."""

@@ -105,12 +105,17 @@ class DecodeState:
             accumulates attention).
         newest: ``[B]`` logical position of the current query.
         generator: Generator for randomised policies (the rollout's; None = torch's default generator).
+        noise: ``[B, H_kv, C]`` uniform noise in [0, 1) drawn by the cache for a compressor whose ``draws_noise`` is
+            True (the rollout draws it for every row of the batch before the step, so that a row's draws do not
+            depend on which rows are still decoding, and the step has no generator call); None = draw from
+            ``generator``.
     """
 
     positions: torch.Tensor
     accumulated: torch.Tensor
     newest: torch.Tensor
     generator: torch.Generator | None
+    noise: torch.Tensor | None = None
 
 
 @runtime_checkable
@@ -156,6 +161,7 @@ class BaseCompressor:
 
     evicts_during_decode: ClassVar[bool] = True
     accumulates_attention: ClassVar[bool] = False
+    draws_noise: ClassVar[bool] = False
 
     def __post_init__(self) -> None:
         owner = type(self).__name__
@@ -306,16 +312,21 @@ class RandomEviction(BaseCompressor):
 
     sinks: int = 4
 
-    def _scores(self, positions: torch.Tensor, newest: torch.Tensor, generator: torch.Generator | None):
-        scores = torch.rand(positions.shape, generator=generator, device=positions.device)
-        return _protect(scores, positions, newest, self.sinks, self.window)
+    draws_noise: ClassVar[bool] = True
+
+    def _scores(self, positions: torch.Tensor, newest: torch.Tensor, noise: torch.Tensor) -> torch.Tensor:
+        return _protect(noise, positions, newest, self.sinks, self.window)
 
     def prefill_scores(self, ctx: PrefillContext) -> torch.Tensor:
         positions = ctx.positions[:, None, :].expand(-1, ctx.num_kv_heads, -1)
-        return self._scores(positions, ctx.newest, ctx.generator)
+        noise = torch.rand(positions.shape, generator=ctx.generator, device=positions.device)
+        return self._scores(positions, ctx.newest, noise)
 
     def decode_scores(self, state: DecodeState) -> torch.Tensor:
-        return self._scores(state.positions, state.newest, state.generator)
+        noise = state.noise
+        if noise is None:
+            noise = torch.rand(state.positions.shape, generator=state.generator, device=state.positions.device)
+        return self._scores(state.positions, state.newest, noise)
 
 
 @dataclass
@@ -373,6 +384,10 @@ class PrefillThenDecode:
     @property
     def accumulates_attention(self) -> bool:
         return self.decode.accumulates_attention
+
+    @property
+    def draws_noise(self) -> bool:
+        return getattr(self.decode, "draws_noise", False)
 
     @property
     def observation_window(self) -> int:
