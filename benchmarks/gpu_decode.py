@@ -110,7 +110,7 @@ def _caller(variant: str, model, ids, mask, args, device) -> Callable[[int, int 
         compressor = None
         if "snapkv" in variant:
             compressor = C.make_compressor("prefill_then_decode", args.budget, window=args.window, sinks=4)
-        extra = {"compile": True} if compiled else {}
+        extra = {"compile": True} if compiled and args.compile else {}  # --toy / --no-compile: uncompiled
 
         def call(new: int, stop_after: int | None = None) -> None:
             generate(model, ids, mask, compressor=compressor, max_new_tokens=new, num_generations=args.samples,

@@ -332,6 +332,24 @@ def compiled_decode_step(options: dict | None = None, device_type: str = "cpu"):
     return _COMPILED[key]
 
 
+DECODE_RECOMPILE_LIMIT = 64
+"""Compilations of the compiled decode step allowed in a process (each model, compressor and dtype compiles its own
+few graphs: static, dynamic width, dynamic rows); past it `generate(compile=...)` raises instead of running eager."""
+
+
+def _call_compiled_step(step_fn, model, cache: BudgetedCache, token: torch.Tensor, no_mask: torch.Tensor):
+    """The compiled decode step under `DECODE_RECOMPILE_LIMIT` (torch's default, 8, is shared by every compiled
+    function and would stop a run that samples with two models or compressors)."""
+    try:
+        with torch._dynamo.config.patch(recompile_limit=DECODE_RECOMPILE_LIMIT):
+            return step_fn(model, cache, token, cache.step.newest, no_mask)
+    except torch._dynamo.exc.FailOnRecompileLimitHit as error:
+        raise RuntimeError(
+            f"generate(compile=...) reached lit_smd.rollout.DECODE_RECOMPILE_LIMIT={DECODE_RECOMPILE_LIMIT} "
+            "compilations of the decode step in this process; raise the limit or pass compile=False"
+        ) from error
+
+
 ROW_QUANTUM = 8
 """Compaction keeps a multiple of this many rows (padding with ended rows): CPU BLAS kernels compute a row the same
 way in any batch whose size is a multiple of their row tile (4 here, measured), not in a partial tile."""
@@ -486,7 +504,10 @@ def generate(
             cache.prepare_step(step, finished)
             if cudagraphs:
                 torch.compiler.cudagraph_mark_step_begin()
-            logits = step_fn(model, cache, token, cache.step.newest, no_mask)
+            if compile is False:
+                logits = step_fn(model, cache, token, cache.step.newest, no_mask)
+            else:
+                logits = _call_compiled_step(step_fn, model, cache, token, no_mask)
     finally:
         model.train(was_training)
 

@@ -161,6 +161,17 @@ def test_a_compiled_decode_step_traces_whole_and_equals_eager(tiny_model_factory
     assert not torch.equal(again.completion_ids, compiled.completion_ids)
 
 
+def test_the_compiled_step_raises_by_name_past_its_recompile_limit(tiny_model_factory, monkeypatch):
+    """Past `DECODE_RECOMPILE_LIMIT` a rollout stops with the limit's name instead of dynamo's bare hard failure."""
+    import lit_smd.rollout as rollout
+
+    torch._dynamo.reset()
+    model = _model(tiny_model_factory, torch.float32)
+    monkeypatch.setattr(rollout, "DECODE_RECOMPILE_LIMIT", 1)
+    with pytest.raises(RuntimeError, match="DECODE_RECOMPILE_LIMIT=1"):
+        _run(model, make_compressor("h2o", 0.9), new=64, sync_every=4, compile={"backend": "eager"})
+
+
 @pytest.mark.slow
 def test_inductor_compiled_decode_matches_eager(tiny_model_factory):
     model = _model(tiny_model_factory, torch.float32)
