@@ -347,10 +347,7 @@ def test_query_blocks_and_pruned_keys_replay_the_rollout_exactly(model64, family
     monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 64)
     monkeypatch.setattr(blocked, "PRUNE_BELOW", 1.0)
     spy = lambda alive: pruned.append(alive_index(alive)) or pruned[-1]  # noqa: E731
-    monkeypatch.setattr(blocked, "alive_index", spy)
-    import lit_smd.kv.packed as packed
-
-    monkeypatch.setattr(packed, "alive_index", spy)
+    monkeypatch.setattr(blocked, "alive_index", spy)  # both layouts prune through blocked.live_keys
     logprobs, grads = _logprobs_and_grads(
         model, rollout, lambda: learner_hidden_states(model, rollout, shadow=True, layout=layout).hidden
     )

@@ -40,6 +40,7 @@ __all__ = [
     "fold_kv_heads",
     "fused_blocks",
     "gather_keys",
+    "live_keys",
     "over_query_blocks",
     "query_block",
 ]
@@ -208,6 +209,34 @@ def alive_index(alive: Tensor) -> Tensor | None:
     return order[:, : max(kept, 1)]
 
 
+def live_keys(
+    keys: Tensor, values: Tensor, limit: Tensor, own_from: int, first_query: int | Tensor, *, prune: bool
+) -> tuple[Tensor, Tensor, Tensor, int]:
+    """A query block's keys with those before its own (columns ``[0, own_from)``) pruned to the ones alive at the
+    block's first query (`alive_index`), when ``prune``.
+
+    Args:
+        keys: ``[B', H', K, D_k]`` the block's key range; columns ``own_from`` on are the block's own keys.
+        values: ``[B', H', K, D_v]``.
+        limit: ``[B', K]`` the keys' limits (`block_mask`).
+        own_from: First column of the block's own keys.
+        first_query: Logical position of the block's first query (an int, or ``[B', 1]``).
+        prune: Whether to drop keys (the shadow view; every key is alive in the dense view).
+
+    Returns:
+        ``(keys, values, limit, causal_from)``: unchanged (``causal_from = own_from``) or with the earlier keys gathered
+        to the live ones (``causal_from = K'``).
+    """
+    index = alive_index(limit[:, :own_from] > first_query) if prune else None  # [B', K'] or None
+    if index is None:
+        return keys, values, limit, own_from
+    before, own = slice(0, own_from), slice(own_from, None)
+    keys = torch.cat([gather_keys(keys[:, :, before], index), keys[:, :, own]], dim=2)
+    values = torch.cat([gather_keys(values[:, :, before], index), values[:, :, own]], dim=2)
+    limit = torch.cat([limit[:, before].gather(1, index), limit[:, own]], dim=1)  # [B', K' + Bq]
+    return keys, values, limit, index.shape[1]
+
+
 def gather_keys(keys: Tensor, index: Tensor) -> Tensor:
     """``keys [B', H', K, D]`` at ``index [B', K']`` (the same keys for every head of a row) -> ``[B', H', K', D]``."""
     return keys.gather(2, index[:, None, :, None].expand(-1, keys.shape[1], -1, keys.shape[-1]))
@@ -290,13 +319,10 @@ def causal_rows_attention(
 
         def prepare(key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
             # Keys [lo, start) precede the block (pruned to those alive at its start); [start, stop) are its own.
-            index = None if steps is None or start == lo else alive_index(limit[:, lo:start] > start)  # [B', K']
-            if index is None:
-                return key[:, :, lo:stop], value[:, :, lo:stop], query_pos, limit[:, lo:stop], start - lo
-            keys = torch.cat([gather_keys(key[:, :, lo:start], index), key[:, :, start:stop]], dim=2)
-            values = torch.cat([gather_keys(value[:, :, lo:start], index), value[:, :, start:stop]], dim=2)
-            kept = torch.cat([limit[:, lo:start].gather(1, index), limit[:, start:stop]], dim=1)  # [B', K' + Bq]
-            return keys, values, query_pos, kept, index.shape[1]
+            keys, values, kept, causal_from = live_keys(
+                key[:, :, lo:stop], value[:, :, lo:stop], limit[:, lo:stop], start - lo, start, prune=steps is not None
+            )
+            return keys, values, query_pos, kept, causal_from
 
         return block_attention(
             query[:, :, start:stop], prepare, (key, value), scaling, features, fused=fused, dropout=dropout,

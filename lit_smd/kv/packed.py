@@ -48,13 +48,12 @@ import torch
 
 from lit_smd.kv.blocked import (
     NEVER,
-    alive_index,
     block_attention,
     causal_rows_attention,
     check_record_heads,
     fold_kv_heads,
     fused_blocks,
-    gather_keys,
+    live_keys,
     over_query_blocks,
     query_block,
 )
@@ -183,15 +182,11 @@ class PackedPlan:
             def prepare(prompt_key, prompt_value, slot_key, slot_value):
                 # Columns [0, W + start) precede the block (in the shadow view pruned to the keys alive at its
                 # start); [W + start, W + stop) are the block's own keys.
-                keys, values = per_slot(prompt_key, slot_key, stop), per_slot(prompt_value, slot_value, stop)
-                index = alive_index(limit[:, : width + start] > query_pos[:, :1]) if shadow else None
-                if index is None:
-                    return keys, values, query_pos, limit[:, : width + stop], width + start
-                before, own = slice(0, width + start), slice(width + start, width + stop)
-                keys = torch.cat([gather_keys(keys[:, :, before], index), keys[:, :, own]], dim=2)
-                values = torch.cat([gather_keys(values[:, :, before], index), values[:, :, own]], dim=2)
-                kept = torch.cat([limit[:, before].gather(1, index), limit[:, own]], dim=1)  # [B', K' + Bq]
-                return keys, values, query_pos, kept, index.shape[1]
+                keys, values, kept, causal_from = live_keys(
+                    per_slot(prompt_key, slot_key, stop), per_slot(prompt_value, slot_value, stop),
+                    limit[:, : width + stop], width + start, query_pos[:, :1], prune=shadow,
+                )  # fmt: skip
+                return keys, values, query_pos, kept, causal_from
 
             return block_attention(
                 queries[:, :, start:stop], prepare, (prompt_key, prompt_value, slot_key, slot_value), scaling,
