@@ -16,8 +16,9 @@ import torch
 
 from lit_smd.cli import main
 from lit_smd.kv import RecentWindow
+from lit_smd.losses.sparse_rl import sparse_rl_correction
 from lit_smd.models import load_causal_lm, load_tokenizer
-from lit_smd.rewards import chain_hops_reward, math_answer_reward
+from lit_smd.rewards import chain_hops_reward, chain_walk_reward, math_answer_reward
 from lit_smd.tiny import build_tiny_tokenizer, save_tiny_checkpoint
 
 REPRO = Path(__file__).resolve().parents[1] / "benchmarks" / "repro"
@@ -42,13 +43,15 @@ def repro():
         smd_table.configure("retrieval")  # module state of the invocation: back to the default
 
 
-@pytest.mark.parametrize("task", ["retrieval", "chain"])
+@pytest.mark.parametrize("task", ["retrieval", "chain", "walk"])
 def test_every_kind_of_cell_is_a_valid_cli_command(repro, tmp_path, task):
     smd, distill = repro["smd"], repro["distill"]
     smd.configure(task)
     save_tiny_checkpoint(smd.warmup_policy(tmp_path, 0))
     save_tiny_checkpoint(distill.teacher_policy(tmp_path), hidden_size=96, num_layers=2, num_heads=6, seed=1)
-    if task == "chain":  # the chain's warm-ups start from the retrieval ones
+    if task == "walk":  # its distillation students are the walk warm-up stopped early
+        save_tiny_checkpoint(distill.student_policy(tmp_path, 0))
+    if task in ("chain", "walk"):  # their warm-ups start from the retrieval ones
         save_tiny_checkpoint(tmp_path / "policies" / "retrieval-warmup-seed0")
         save_tiny_checkpoint(tmp_path / "policies" / "teacher-retrieval", hidden_size=96, num_heads=6, seed=1)
     for cell in distill.distill_cells(tmp_path, [0], list(distill.CELLS), steps=3):
@@ -64,7 +67,14 @@ def test_every_kind_of_cell_is_a_valid_cli_command(repro, tmp_path, task):
     assert len(rl) == 2 * (1 + len(distill.CELLS))  # dense GRPO and SMD-GRPO after each cell and after none
     cells += rl + [cell for stage in smd.warmup_stages(tmp_path, [0], max_steps=3) for cell in stage]
     cells += [distill.teacher_cell(tmp_path, max_steps=3)]
-    if task == "chain":
+    if task == "walk":  # weak students: the walk warm-up stopped early
+        student = smd.warmup_cell(tmp_path, 0, 3, stage="student")
+        assert student.argv[student.argv.index("--model.init_args.export_dir") + 1] == str(
+            distill.student_policy(tmp_path, 0))
+        assert all(c.argv[c.argv.index("--model.init_args.student") + 1] == str(distill.student_policy(tmp_path, 0))
+                   for c in cells if c.meta.get("kind") == "distill")  # fmt: skip
+        cells += [student]
+    if task in ("chain", "walk"):
         cells += [distill.teacher_cell(tmp_path, max_steps=3, stage="retrieval")]
         assert [c.name for c in smd.warmup_stages(tmp_path, [0])[0]] == ["retrieval-warmup-seed0"]
     checked = set()
@@ -77,11 +87,14 @@ def test_every_kind_of_cell_is_a_valid_cli_command(repro, tmp_path, task):
         checked.add(kind)
         assert cell.argv[0] == "fit"
         assert cell.eval_settings["task"] == task
-        if meta.get("kind") in ("warmup", "teacher") and not cell.name.startswith(("retrieval", "teacher-retrieval")):
-            dataset = "multi_hop_chain" if task == "chain" else "key_value_retrieval"
+        dataset = {"chain": "multi_hop_chain", "walk": "chain_walk"}.get(task, "key_value_retrieval")
+        if meta.get("kind") in ("warmup", "teacher", "student") and not cell.name.startswith(
+            ("retrieval", "teacher-retrieval")
+        ):
             assert cell.argv[cell.argv.index("--model.init_args.export_dir") + 1].startswith(str(tmp_path))
             cli = main(cell.argv[1:], run=False)
             assert cli.datamodule.dataset == dataset
+            assert cli.datamodule.append_eos == (task == "walk")  # the free-length task trains its EOS
             continue
         cli = main(cell.argv[1:], run=False)  # parse and instantiate only (the subcommand is implied)
         module = cli.model
@@ -93,7 +106,11 @@ def test_every_kind_of_cell_is_a_valid_cli_command(repro, tmp_path, task):
                 assert module.kl_coef == meta["lambda"]
             if meta.get("selection") == "recent":
                 assert type(module.compressor).__name__ == "RecentWindow"
-            assert cli.datamodule.dataset == ("multi_hop_chain" if task == "chain" else "key_value_retrieval")
+            assert cli.datamodule.dataset == dataset
+            if task == "walk":  # lengths free: the cap is twice the longest walk, the reward the whole walk
+                walk = smd.TASKS["walk"]["eval"]
+                assert cli.datamodule.max_new_tokens == walk["max_new_tokens"] == 2 * walk["num_hops"]
+                assert cli.datamodule.dataset_kwargs["max_hops"] == walk["num_hops"]
             if task == "chain":
                 chain = smd.TASKS["chain"]["eval"]  # the calibrated setting (docs/results/chain/calibration.md)
                 assert cli.datamodule.max_new_tokens == chain["max_new_tokens"] == chain["num_hops"]
@@ -151,12 +168,37 @@ def test_t_quantile_and_interval_against_hand_computed_values(repro):
         stats.t_quantile(0.95, 0)
 
 
+def test_p_values_and_holm_against_hand_computed_values(repro):
+    stats = repro["stats"]
+    # differences [1, 2, 3]: t = 2 / (1 / sqrt 3) = 3.4641 at 2 dof; P(|T| > t) = 1 - t / sqrt(2 + t^2) (closed form)
+    t = 2 * math.sqrt(3)
+    assert stats.t_p_value([1.0, 2.0, 3.0]) == pytest.approx(1 - t / math.sqrt(2 + t * t), rel=1e-12)
+    # 1 dof (Cauchy): P(|T| > t) = 1 - 2 atan(t) / pi; differences [1, 3]: t = 2 / (sqrt 2 / sqrt 2) = 2
+    assert stats.t_p_value([1.0, 3.0]) == pytest.approx(1 - 2 * math.atan(2) / math.pi, rel=1e-12)
+    assert stats.t_p_value([0.5]) is None and stats.t_p_value([0.0, 0.0]) == 1.0 and stats.t_p_value([1, 1]) == 0.0
+    # Holm over m = 4 (None not counted): sorted 0.01 <= 0.05/4, 0.012 <= 0.05/3, 0.03 > 0.05/2 stops: 0.04 not either
+    assert stats.holm([0.04, 0.01, None, 0.012, 0.03]) == [False, True, None, True, False]
+    assert stats.holm([0.04, 0.001]) == [True, True] and stats.holm([0.06, 0.001]) == [False, True]
+    smd = repro["smd"]
+    found = [{"compression": "50%", "selection": "snapkv", "a": "smd λ=0.1", "b": b, "metric": m, "p_value": p,
+              "differences": [0.1, 0.2], "mean": 0.15, "half_width": 0.6, "resolved": False}
+             for b, m, p in [("naive", "acc_after_dense", 0.03), ("sparse_rl", "acc_after_dense", 0.02),
+                             ("naive", "acc_after", 0.06), ("sparse_rl", "acc_after", 0.001)]]  # fmt: skip
+    smd.mark_multiplicity(found)
+    # primary family {0.03, 0.02}: both rejected (0.02 <= 0.025, 0.03 <= 0.05); the other {0.06, 0.001}: 0.06 > 0.05
+    assert [(f["primary"], f["holm"]) for f in found] == [(True, True), (True, True), (False, False), (False, True)]
+    text = smd.comparisons_table(found)
+    assert "| yes | 50% | snapkv | smd λ=0.1 − naive | dense | 2 | +0.150 ± 0.600 | no | 0.030 | yes |" in text
+    assert "|  | 50% | snapkv | smd λ=0.1 − naive | compressed | 2 | +0.150 ± 0.600 | no | 0.060 | no |" in text
+
+
 def test_smd_table_aggregates_seeds_with_t_intervals(repro):
     smd = repro["smd"]
     reward = [[step, 0.0 if step < 8 else 1.0] for step in range(10)]  # last 20%: steps 8, 9
     meta = {"mode": "naive", "lambda": None, "budget": 0.5, "selection": "recent"}
     scalars = [{"rollout/reward_mean": reward, "mismatch/logprob_abs_diff_max": [[0, 2.0], [1, 5.0]]},
-               {"rollout/reward_mean": reward}, {"rollout/reward_mean": reward}]  # fmt: skip
+               {"rollout/reward_mean": reward, "mismatch/logprob_abs_diff_max": [[0, 3.0]]},
+               {"rollout/reward_mean": reward}]  # fmt: skip
     results = {}
     for seed, accuracy in enumerate([0.5, 0.6, 0.8]):
         result = _result(str(seed), {**meta, "seed": seed}, scalars[seed], accuracy)
@@ -164,17 +206,21 @@ def test_smd_table_aggregates_seeds_with_t_intervals(repro):
         result["eval_dense"] = {"accuracy": accuracy - 0.1}
         results[str(seed)] = result
     initial = {f"recent-b0.5-seed{s}": {"accuracy": a} for s, a in enumerate([0.25, 0.35, 0.45])}
+    initial |= {f"dense-seed{s}": {"accuracy": a} for s, a in enumerate([0.3, 0.4, 0.5])}
     table, (row,) = smd.summarise(results, initial, steps=10)
     assert row["reward_last"] == [1.0, 1.0, 1.0]
     assert row["delta"] == pytest.approx([0.25, 0.25, 0.35])
-    assert row["mismatch_max"] == [5.0, None, None]
+    assert row["delta_dense"] == pytest.approx([0.1, 0.1, 0.2])  # dense-served after [0.4, 0.5, 0.7] - before
+    assert row["mismatch_max"] == [5.0, 3.0, None]  # per seed; the table prints their maximum, 5.0 (not the mean 4)
     assert row["served_mismatch_by_position"] == pytest.approx([0.0, 0.6])
     # by hand, t_{0.975, 2} = 4.302653: after [0.5, 0.6, 0.8]: mean 0.6333, s 0.152753, half width 0.379459;
     # before [0.25, 0.35, 0.45]: s 0.1, half width 0.248414; delta [0.25, 0.25, 0.35]: mean 0.2833, s 0.057735,
-    # half width 0.143422; greedy = after / 2: half width 0.189729
+    # half width 0.143422; greedy = after / 2: half width 0.189729; dense-served before [0.3, 0.4, 0.5]: 0.248414,
+    # after [0.4, 0.5, 0.7]: 0.379459, delta [0.1, 0.1, 0.2]: mean 0.1333, half width 0.143422
     assert (
         "| 50% | recent | naive | - | 3 | 1.000 ± 0.000 | 0.350 ± 0.248 | 0.633 ± 0.379 | 0.283 ± 0.143 "
-        "| 0.533 ± 0.379 | 0.317 ± 0.190 | - | - | 5.000 | 0.000 / 0.600 | - | - |"
+        "| 0.400 ± 0.248 | 0.533 ± 0.379 | 0.133 ± 0.143 | 0.317 ± 0.190 | - | - | - | - | 5.000 | 0.000 / 0.600 "
+        "| - | - |"
     ) in table
 
 
@@ -312,8 +358,44 @@ def test_chain_evaluation_matches_an_independent_decode_and_measures_mismatch_by
     assert "mismatch_by_position" not in dense and dense["visible_fraction"] == 1.0
 
 
+def test_walk_evaluation_scores_whole_answers_lengths_and_the_sparse_rl_veto(repro, tmp_path):
+    """The free-length task: greedy whole-answer accuracy against transformers' own decode that stops at EOS, the
+    length distribution, and the veto counts against the rule recomputed from the samples' log-probs."""
+    evaluate = repro["evaluate"]
+    path = save_tiny_checkpoint(tmp_path / "policy", seed=4, initializer_range=0.35)
+    model, tokenizer = load_causal_lm(str(path), dtype=torch.float32), load_tokenizer(str(path))
+    settings = evaluate.EvalSettings(num_prompts=4, num_samples=2, batch_size=4, task="walk", max_new_tokens=6,
+                                     num_hops=4, min_hops=2, num_nodes=6)  # fmt: skip
+    prompts, answers = evaluate.heldout_prompts(settings)
+    assert all(2 <= len(a) <= 4 for a in answers)
+    reference = load_causal_lm(str(path), dtype=torch.float32, attn_implementation="eager")
+    texts = []
+    for prompt in prompts:
+        ids = tokenizer(prompt, return_tensors="pt")["input_ids"]
+        out = reference.generate(ids, max_new_tokens=6, do_sample=False, eos_token_id=tokenizer.eos_token_id,
+                                 pad_token_id=tokenizer.pad_token_id)  # fmt: skip
+        texts.append(tokenizer.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
+    expected = chain_walk_reward(prompts, texts, answers)
+    result = evaluate.evaluate_policy(model, tokenizer, settings, compressor=RecentWindow(8, sinks=1))
+    assert result["greedy_accuracy"] == pytest.approx(sum(expected) / len(expected))
+    counts = {int(k): v for k, v in result["length_counts"].items()}
+    assert sum(counts.values()) == 8 and all(1 <= k <= 6 for k in counts)
+    assert result["length"] == pytest.approx(sum(k * v for k, v in counts.items()) / 8)
+    veto = {int(k): v for k, v in result["veto_by_length"].items()}
+    assert {k: v[1] for k, v in veto.items()} == counts and all(0 <= v[0] <= v[1] for v in veto.values())
+    generator = torch.Generator().manual_seed(0)  # the veto rule against the loss's own, row by row
+    mu = torch.randn(64, 5, generator=generator) - 1
+    dense = mu + 12 * torch.randn(64, 5, generator=generator).clamp(max=0)  # log ratios down to ~ -30
+    mask = torch.rand(64, 5, generator=generator) < 0.8
+    vetoed = evaluate.sparse_rl_vetoed(dense, mu, mask)
+    assert 0 < int(vetoed.sum()) < 64
+    for row in range(64):
+        one = sparse_rl_correction(dense[row : row + 1], mu[row : row + 1], mask[row : row + 1])
+        assert bool(vetoed[row]) == (one.rejected_sequence_fraction.item() == 1.0)
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize("task", ["retrieval", "chain"])
+@pytest.mark.parametrize("task", ["retrieval", "chain", "walk"])
 def test_quick_reproduction_runs_the_smallest_cell_end_to_end(repro, tmp_path, task):
     """``smd_table.py --quick``: the warm-up(s), the before-RL evaluation and one SMD cell in subprocesses, then the
     table, the comparisons and the JSON; a second invocation reruns nothing (minutes on 2 loaded cores)."""
@@ -323,12 +405,15 @@ def test_quick_reproduction_runs_the_smallest_cell_end_to_end(repro, tmp_path, t
     (row,) = summary["rows"]
     assert (row["mode"], row["lambda"], row["seeds"], row["compression"]) == ("smd", 0.1, [0], "50%")
     cell = json.loads((tmp_path / "cells" / "smd-lam0.1-snapkv-b0.5-seed0.json").read_text())
-    width = smd.TASKS["chain"]["eval"]["max_new_tokens"] if task == "chain" else 2
+    width = smd.TASKS[task]["eval"]["max_new_tokens"] if task != "retrieval" else 2
     assert cell["global_step"] == 2 and {"eval", "eval_dense"} <= cell.keys()
-    assert len(cell["eval"]["mismatch_by_position"]) == width and "mismatch_by_position" not in cell["eval_dense"]
+    positions = len(cell["eval"]["mismatch_by_position"])
+    assert (positions == width if task != "walk" else 1 <= positions <= width)  # walks stop at their own EOS
+    assert "mismatch_by_position" not in cell["eval_dense"]
     assert cell["eval"]["visible_fraction"] < 1 == cell["eval_dense"]["visible_fraction"]
-    assert len(row["served_mismatch_by_position"]) == width
-    for name in ("smd_table.md", "smd_comparisons.md", "smd_table.json", "smd_mismatch_positions_b0.5.png"):
+    assert len(row["served_mismatch_by_position"]) == positions
+    for name in ("calibration.md", "smd_table.md", "smd_comparisons.md", "smd_table.json",
+                 "smd_mismatch_positions_b0.5.png"):  # fmt: skip
         assert (tmp_path / name).is_file(), name
     stamp = (tmp_path / "cells" / "smd-lam0.1-snapkv-b0.5-seed0.json").stat().st_mtime_ns
     assert smd.main(argv)["rows"] == summary["rows"]  # resumed: nothing rerun

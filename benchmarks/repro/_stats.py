@@ -11,7 +11,7 @@ import math
 import statistics
 from dataclasses import dataclass
 
-__all__ = ["Interval", "difference_cells", "mean_interval", "paired_difference", "t_quantile"]
+__all__ = ["Interval", "difference_cells", "holm", "mean_interval", "paired_difference", "t_p_value", "t_quantile"]
 
 
 def _central_probability(t: float, dof: int) -> float:
@@ -57,6 +57,34 @@ def t_quantile(confidence: float, dof: int) -> float:
     return (low + high) / 2
 
 
+def t_p_value(values: list[float]) -> float | None:
+    """Two-sided p-value of the one-sample t test of mean 0 (``t = mean / (s / sqrt(n))``, ``n - 1`` degrees of
+    freedom); None for fewer than two values. All values equal: 1.0 when they are 0, else 0.0."""
+    n = len(values)
+    if n < 2:
+        return None
+    mean, spread = statistics.fmean(values), statistics.stdev(values)
+    if spread == 0:
+        return 1.0 if mean == 0 else 0.0
+    return 1.0 - _central_probability(abs(mean) / (spread / math.sqrt(n)), n - 1)
+
+
+def holm(p_values: list[float | None], alpha: float = 0.05) -> list[bool | None]:
+    """Holm's step-down correction over one family of tests: which hypotheses are rejected at family-wise error
+    ``alpha`` (None where the p-value is None; those are not counted in the family).
+
+    The k-th smallest of the m p-values is compared with ``alpha / (m - k + 1)``; testing stops at the first that
+    fails it.
+    """
+    order = sorted((p, i) for i, p in enumerate(p_values) if p is not None)
+    verdicts: list[bool | None] = [None if p is None else False for p in p_values]
+    for rank, (p, index) in enumerate(order):
+        if p > alpha / (len(order) - rank):
+            break
+        verdicts[index] = True
+    return verdicts
+
+
 @dataclass(frozen=True)
 class Interval:
     """Mean over seeds and its confidence interval ``mean ± half_width`` (``half_width`` None for one seed)."""
@@ -98,7 +126,8 @@ def paired_difference(
     per seed), their mean and t interval, and whether the interval excludes 0 (``resolved``).
 
     Returns:
-        ``{"differences", "mean", "half_width", "resolved"}``, or None when no seed has both values.
+        ``{"differences", "mean", "half_width", "resolved", "p_value"}`` (``p_value``: the paired t test's, two-sided,
+        `t_p_value`), or None when no seed has both values.
     """
     diffs = [value - second[seed] for seed, value in first.items()
              if value is not None and second.get(seed) is not None]  # fmt: skip
@@ -106,7 +135,8 @@ def paired_difference(
     if stats is None:
         return None
     resolved = stats.half_width is not None and (stats.low > 0 or stats.high < 0)
-    return {"differences": diffs, "mean": stats.mean, "half_width": stats.half_width, "resolved": resolved}
+    return {"differences": diffs, "mean": stats.mean, "half_width": stats.half_width, "resolved": resolved,
+            "p_value": t_p_value(diffs)}
 
 
 def difference_cells(paired: dict[str, object]) -> str:

@@ -69,8 +69,29 @@ CELLS = {
 """Cell name -> (prefix source, KL, presets from configs/distill/)."""
 
 DISTILL_CONFIGS = {"retrieval": [HERE / "configs/distill_cpu.yaml"],
-                   "chain": [HERE / "configs/distill_cpu.yaml", HERE / "configs/distill_chain.yaml"]}  # fmt: skip
-CURRICULUM = {"retrieval": HERE / "configs/curriculum.yaml", "chain": HERE / "configs/curriculum_chain.yaml"}
+                   "chain": [HERE / "configs/distill_cpu.yaml", HERE / "configs/distill_chain.yaml"],
+                   "walk": [HERE / "configs/distill_cpu.yaml", HERE / "configs/distill_walk.yaml"]}  # fmt: skip
+CURRICULUM = {"retrieval": HERE / "configs/curriculum.yaml", "chain": HERE / "configs/curriculum_chain.yaml",
+              "walk": HERE / "configs/curriculum_walk.yaml"}  # fmt: skip
+
+
+def _weak_students() -> bool:
+    """Whether this task's students are its warm-up stopped early (``smd_table.warmup_cell(stage="student")``, weak
+    students clearly below the teacher; a ``student`` overlay in `TASKS`); elsewhere the students are the SMD table's
+    warm-up policies (on the chain they start above the teacher, docs/results/chain)."""
+    return "student" in TASKS[smd_table._TASK["name"]]
+
+
+def student_policy(out: Path, seed: int) -> Path:
+    """The policy distilled into (and RL'd from, row "none") for ``seed``."""
+    if _weak_students():
+        return out / "policies" / f"student-seed{seed}"
+    return warmup_policy(out, seed)
+
+
+def student_name(seed: int) -> str:
+    """The cell whose evaluation is the students' "none" row."""
+    return f"student-seed{seed}" if _weak_students() else f"warmup-seed{seed}"
 RL_KINDS = ("dense", "smd")
 """RL after distillation: dense GRPO (the paper's), SMD-GRPO at 50% SnapKV then H2O, lambda 0.1 (ours)."""
 
@@ -88,7 +109,7 @@ def teacher_cell(out: Path, max_steps: int | None, stage: str | None = None) -> 
     name = "teacher-retrieval" if stage == "retrieval" else "teacher"
     warmup = [arg for path in TASKS[task]["warmup"] for arg in ("--config", str(path))]
     init = ["--model.init_args.policy.init_args.seed", "100"]
-    if task == "chain":
+    if task in smd_table.STAGED:
         start = out / "policies" / "teacher-retrieval"
         init = ["--model.init_args.policy", str(start), "--data.init_args.tokenizer", str(start)]
     return Cell(
@@ -107,7 +128,7 @@ def distill_cells(out: Path, seeds: list[int], cells: list[str], steps: int) -> 
     result = []
     task = smd_table._TASK["name"]
     for seed in seeds:
-        student = warmup_policy(out, seed)
+        student = student_policy(out, seed)
         for cell in cells:
             prefix, kl, presets = CELLS[cell]
             name = f"distill-{cell}-seed{seed}"
@@ -132,7 +153,7 @@ def rl_cells(out: Path, seeds: list[int], cells: list[str], steps: int) -> list[
     result = []
     for seed in seeds:
         for cell in ["none", *cells]:
-            policy = warmup_policy(out, seed) if cell == "none" else out / "policies" / f"distill-{cell}-seed{seed}"
+            policy = student_policy(out, seed) if cell == "none" else out / "policies" / f"distill-{cell}-seed{seed}"
             meta = {"kind": "rl", "cell": cell, "seed": seed}
             dense = dense_cell(out, policy, seed, steps, name=f"rl-dense-{cell}-seed{seed}")
             smd = compressed_cell(out, policy, seed, steps, "smd", "snapkv", 0.5, 0.1, name=f"rl-smd-{cell}-seed{seed}")
@@ -209,8 +230,8 @@ def summarise(results: dict[str, dict[str, Any]], seeds: list[int], cells: list[
         )
     for cell in ["none", *cells]:
         if cell == "none":
-            runs = [(s, results.get(f"warmup-seed{s}")) for s in seeds]
-            prefix, kl = "-", "(warm-up, no distillation)"
+            runs = [(s, results.get(student_name(s))) for s in seeds]
+            prefix, kl = "-", "(student, no distillation)"
         else:
             runs = [(s, results.get(f"distill-{cell}-seed{s}")) for s in seeds]
             prefix, kl, _ = CELLS[cell]
@@ -277,10 +298,10 @@ def compressed_start_accuracy(out: Path, results: dict[str, dict[str, Any]]) -> 
         if meta.get("kind") == "warmup":  # the SMD table's cached "before RL" evaluation of the same policy
             seed = meta["seed"]
             result["eval_compressed"] = initial_accuracy(out, [seed], [0.5], ["snapkv"])[f"snapkv-b0.5-seed{seed}"]
-        if meta.get("kind") != "distill" or "eval_compressed" in result:
+        if meta.get("kind") not in ("distill", "student") or "eval_compressed" in result:
             continue
-        policy = load_causal_lm(str(out / "policies" / name), dtype=torch.float32)
-        tokenizer = load_tokenizer(str(out / "policies" / name))
+        folder = out / "policies" / name
+        policy, tokenizer = load_causal_lm(str(folder), dtype=torch.float32), load_tokenizer(str(folder))
         settings = EvalSettings(**result["cell"]["eval_settings"])
         result["eval_compressed"] = evaluate_policy(policy, tokenizer, settings, compressor, seed=meta["seed"])
         atomic_write_text(out / "cells" / f"{name}.json", json.dumps(result))
@@ -329,7 +350,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     *earlier, last = smd_table.warmup_stages(out, args.seeds, args.warmup_max_steps)
     if earlier:  # the chain: retrieval warm-ups (and the retrieval teacher) first
         run_cells([teacher_cell(out, args.warmup_max_steps, stage="retrieval"), *earlier[0]], out, args.jobs)
-    results = run_cells([teacher_cell(out, args.warmup_max_steps), *last], out, args.jobs)
+    students = []
+    if _weak_students():
+        students = [smd_table.warmup_cell(out, seed, args.warmup_max_steps, stage="student") for seed in args.seeds]
+    results = run_cells([teacher_cell(out, args.warmup_max_steps), *last, *students], out, args.jobs)
     results |= run_cells(distill_cells(out, args.seeds, args.cells, args.distill_steps), out, args.jobs)
     results |= run_cells(rl_cells(out, args.seeds, args.cells, args.rl_steps), out, args.jobs)
     compressed_start_accuracy(out, results)

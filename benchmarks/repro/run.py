@@ -34,8 +34,8 @@ from _runner import ROOT  # noqa: E402
 
 from lit_smd.atomic import atomic_write_text  # noqa: E402
 
-PUBLISHED = ("smd_table.md", "smd_comparisons.md", "smd_table.json", "distill_table.md", "distill_comparisons.md",
-             "distill_table.json", "distill_curves.png")  # fmt: skip
+PUBLISHED = ("calibration.md", "smd_table.md", "smd_comparisons.md", "smd_table.json", "distill_table.md",
+             "distill_comparisons.md", "distill_table.json", "distill_curves.png")  # fmt: skip
 
 
 def _commit() -> str:

@@ -50,7 +50,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 from _runner import ROOT, Cell, run_cells  # noqa: E402
-from _stats import difference_cells, mean_interval, paired_difference  # noqa: E402
+from _stats import difference_cells, holm, mean_interval, paired_difference  # noqa: E402
 
 from lit_smd.atomic import atomic_write_text  # noqa: E402
 
@@ -73,8 +73,18 @@ TASKS: dict[str, dict[str, Any]] = {
         "eval": {"num_prompts": 128, "num_samples": 4, "task": "chain", "max_new_tokens": 4, "num_hops": 4,
                  "num_nodes": 16},
     },
+    "walk": {
+        "warmup": [ROOT / "configs/sft/quickstart_warmup.yaml", HERE / "configs/walk_sft.yaml"],
+        "student": [HERE / "configs/walk_student.yaml"],
+        "rl": [ROOT / "configs/grpo/quickstart_cpu.yaml", HERE / "configs/walk_grpo.yaml"],
+        "eval": {"num_prompts": 128, "num_samples": 4, "task": "walk", "max_new_tokens": 16, "num_hops": 8,
+                 "min_hops": 2, "num_nodes": 16},
+    },
 }  # fmt: skip
-"""Per task: warm-up configs, RL configs and held-out evaluation (`_evaluate.EvalSettings` fields)."""
+"""Per task: warm-up configs, RL configs, held-out evaluation (`_evaluate.EvalSettings` fields) and, where the
+distillation students are the warm-up stopped early, the overlay that stops it (``student``)."""
+STAGED = ("chain", "walk")
+"""Tasks whose warm-up starts from the retrieval warm-up of the same seed (its lookup circuit carries over)."""
 QUICK = {"seeds": [0], "steps": 2, "warmup_max_steps": 2, "eval_prompts": 4, "budgets": [0.5],
          "selections": ["snapkv"], "lambdas": [DEFAULT_LAMBDA]}  # fmt: skip
 """``--quick``: one seed, two steps, tiny batches (`QUICK_RL`) and evaluations: checks the pipeline only."""
@@ -139,21 +149,28 @@ def warmup_cell(out: Path, seed: int, max_steps: int | None = None, stage: str |
     it from the retrieval warm-up of the same seed, ``stage="retrieval"`` (``retrieval-warmup-seed<seed>``): from
     scratch a tiny model stays near chance on 40-pair chains for hundreds of steps, while the lookup circuit of the
     retrieval warm-up carries over within ~200 (docs/results/README.md). That first stage is not evaluated.
+    ``stage="student"`` (``student-seed<seed>``, tasks with a ``student`` overlay in `TASKS`): the task's warm-up
+    stopped early by that overlay, the weak students of ``distill_table.py``.
     """
     task = _TASK["name"]
     cap = [] if max_steps is None else ["--trainer.max_steps", str(max_steps)]
-    if stage == "retrieval":
+    if stage == "student":  # the task's warm-up stopped at max_steps: distill_table.py's weak students
+        name, export = f"student-seed{seed}", out / "policies" / f"student-seed{seed}"
+        configs = TASKS[task]["warmup"] + TASKS[task]["student"]
+        start = out / "policies" / f"retrieval-warmup-seed{seed}"
+        init = ["--model.init_args.policy", str(start), "--data.init_args.tokenizer", str(start)]
+    elif stage == "retrieval":
         name, configs, init, export = (f"retrieval-warmup-seed{seed}", TASKS["retrieval"]["warmup"],
                                        ["--model.init_args.policy.init_args.seed", str(seed)],
                                        out / "policies" / f"retrieval-warmup-seed{seed}")  # fmt: skip
     elif stage is None:
         name, configs, export = f"warmup-seed{seed}", TASKS[task]["warmup"], warmup_policy(out, seed)
         init = ["--model.init_args.policy.init_args.seed", str(seed)]
-        if task == "chain":
+        if task in STAGED:
             start = out / "policies" / f"retrieval-warmup-seed{seed}"
             init = ["--model.init_args.policy", str(start), "--data.init_args.tokenizer", str(start)]
     else:
-        raise ValueError(f"stage must be None or 'retrieval', got {stage!r}")
+        raise ValueError(f"stage must be None, 'retrieval' or 'student', got {stage!r}")
     return Cell(
         name=name,
         argv=[
@@ -162,15 +179,15 @@ def warmup_cell(out: Path, seed: int, max_steps: int | None = None, stage: str |
             "--trainer.logger.init_args.save_dir", str(out / "runs"), "--trainer.logger.init_args.name",
             name, "--trainer.logger.init_args.version", "0", *_QUIET, *cap,
         ],
-        eval_attribute=None if stage else "policy", eval_settings=dict(EVAL), seed=seed,
-        meta={"kind": "warmup", "seed": seed},
+        eval_attribute=None if stage == "retrieval" else "policy", eval_settings=dict(EVAL), seed=seed,
+        meta={"kind": "student" if stage == "student" else "warmup", "seed": seed},
     )  # fmt: skip
 
 
 def warmup_stages(out: Path, seeds: list[int], max_steps: int | None = None) -> list[list[Cell]]:
     """The warm-up cells in the order they must run: the retrieval warm-up first when the task is the chain."""
     stages = [[warmup_cell(out, seed, max_steps) for seed in seeds]]
-    if _TASK["name"] == "chain":
+    if _TASK["name"] in STAGED:
         stages.insert(0, [warmup_cell(out, seed, max_steps, stage="retrieval") for seed in seeds])
     return stages
 
@@ -272,6 +289,93 @@ def initial_accuracy(
     return found
 
 
+def calibration_table(initial: dict[str, dict[str, Any]], seeds: list[int], settings: list[tuple[str, float]]) -> str:
+    """Markdown of the step-0 (before RL) evaluations: each seed's warm-up served densely and with each compressor.
+
+    Per setting: accuracy (mean ± 95% t over seeds), pass@1 and greedy accuracy, mean completion length, the share that
+    hit the length cap, the visible fraction of the keys, Sparse-RL's veto rate of the samples, and the length
+    distribution of the samples pooled over seeds (share of completions per length in tokens, EOS excluded).
+    """
+    lines = [
+        "| served | seeds | acc | greedy acc (dense) | length | hit cap | visible keys | Sparse-RL veto "
+        "| length distribution (tokens: share) |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
+    for selection, budget in [("dense", 1.0), *settings]:
+        prefix = "dense" if selection == "dense" else f"{selection}-b{budget}"
+        found = [initial[f"{prefix}-seed{s}"] for s in seeds if f"{prefix}-seed{s}" in initial]
+        if not found:
+            continue
+        counts: dict[int, int] = {}
+        vetoed = [0, 0]
+        for result in found:
+            for length, count in result.get("length_counts", {}).items():
+                counts[int(length)] = counts.get(int(length), 0) + count
+            for veto, total in result.get("veto_by_length", {}).values():
+                vetoed[0], vetoed[1] = vetoed[0] + veto, vetoed[1] + total
+        total = sum(counts.values())
+        spread = ", ".join(f"{k}: {v / total:.2f}" for k, v in sorted(counts.items())) if total else "-"
+        name = "dense" if selection == "dense" else f"{selection} {round((1 - budget) * 100)}%"
+        veto = f"{vetoed[0] / vetoed[1]:.3f}" if vetoed[1] else "-"
+        lines.append(
+            f"| {name} | {len(found)} | {_fmt([r['accuracy'] for r in found])} "
+            f"| {_fmt([r.get('greedy_accuracy') for r in found])} | {_fmt([r.get('length') for r in found], 2)} "
+            f"| {_fmt([r.get('truncation_rate') for r in found])} | {_fmt([r.get('visible_fraction') for r in found])} "
+            f"| {veto} | {spread} |"
+        )
+    header = (
+        "Step 0, before RL: each seed's warm-up policy on the held-out prompts (avg@n at temperature 1), served "
+        "densely and with each compressor of the table ('greedy' always decodes densely); mean over seeds ± 95% t. "
+        "Sparse-RL veto: share of the compressed samples that Sparse-RL's sequence veto would drop (some token with "
+        "pi_dense / mu < 1e-4), pooled over seeds.\n\n"
+    )
+    return header + "\n".join(lines) + "\n"
+
+
+def _pooled_veto(evaluations: list[dict[str, Any]]) -> dict[int, list[int]]:
+    """``{length: [vetoed, completions]}`` summed over evaluations (their ``veto_by_length``)."""
+    pooled: dict[int, list[int]] = {}
+    for evaluation in evaluations:
+        for length, (veto, total) in evaluation.get("veto_by_length", {}).items():
+            counts = pooled.setdefault(int(length), [0, 0])
+            counts[0], counts[1] = counts[0] + veto, counts[1] + total
+    return pooled
+
+
+def veto_table(results: dict[str, dict[str, Any]], initial: dict[str, dict[str, Any]]) -> str:
+    """Markdown: Sparse-RL's sequence-veto rate against completion length, for the compressed samples of each seed's
+    warm-up (before RL) and of each trained compressed policy (after RL, served as trained), pooled over seeds."""
+    groups: dict[tuple, list[dict[str, Any]]] = {}
+    for key, evaluation in initial.items():
+        if not key.startswith("dense-") and "veto_by_length" in evaluation:
+            selection, budget = key.split("-")[0], float(key.split("-b")[1].split("-seed")[0])
+            groups.setdefault((budget, selection, "before RL", None), []).append(evaluation)
+    for result in results.values():
+        meta = result["cell"]["meta"]
+        if meta.get("mode") not in (None, "dense") and "veto_by_length" in result["eval"]:
+            groups.setdefault(row_key(meta), []).append(result["eval"])
+    pooled = {key: _pooled_veto(evals) for key, evals in groups.items()}
+    lengths = sorted({length for counts in pooled.values() for length in counts})
+    lines = ["| compression | selection | policy | " + " | ".join(map(str, lengths)) + " | all |",
+             "|---|---|---|" + "---|" * (len(lengths) + 1)]  # fmt: skip
+    order = {"before RL": -1}
+    for key in sorted(pooled, key=lambda k: (-k[0], SELECTIONS.index(k[1]), order.get(k[2], 0), row_order(k))):
+        budget, selection, mode, lam = key
+        counts = pooled[key]
+        cells = [f"{counts[n][0] / counts[n][1]:.2f} ({counts[n][1]})" if n in counts else "-" for n in lengths]
+        vetoed, total = sum(c[0] for c in counts.values()), sum(c[1] for c in counts.values())
+        policy = mode + ("" if lam is None or mode != "smd" else f" λ={lam}")
+        lines.append(f"| {round((1 - budget) * 100)}% | {selection} | {policy} | " + " | ".join(cells)
+                     + f" | {vetoed / total:.3f} |")  # fmt: skip
+    header = (
+        "Sparse-RL's sequence veto against completion length (tokens, EOS excluded): the share of compressed samples "
+        "with some token whose pi_dense / mu < 1e-4 (the veto rule of `lit_smd.losses.sparse_rl_correction`, "
+        "pi_dense = the same weights scored densely), with the number of samples in brackets; held-out prompts, "
+        "pooled over seeds; 'before RL' = the warm-ups, the other rows = each trained policy served as trained.\n\n"
+    )
+    return header + "\n".join(lines) + "\n"
+
+
 def _instantiate(spec: dict[str, Any]) -> Any:
     import importlib
 
@@ -294,6 +398,12 @@ def _mean_over(points: list[list[float]] | None) -> float | None:
 
 def _number(value: float, digits: int) -> str:
     return f"{value:.{digits}f}" if abs(value) >= 10**-digits or value == 0 else f"{value:.1e}"
+
+
+def _max(values: list[float | None], digits: int = 3) -> str:
+    """The largest of the non-None ``values`` (a true maximum over seeds), ``-`` when there are none."""
+    present = [v for v in values if v is not None]
+    return _number(max(present), digits) if present else "-"
 
 
 def _fmt(values: list[float | None], digits: int = 3, interval: bool = True) -> str:
@@ -338,9 +448,10 @@ def summarise(
             groups.setdefault(row_key(meta), []).append(result)
     lines = [
         "| compression | selection | mode | λ | seeds | reward (last 20%) | acc before | acc after | Δ acc "
-        "| acc after, dense-served | greedy acc (dense) | length | mismatch mean | mismatch max "
+        "| dense-served: acc before | acc after | Δ acc | greedy acc (dense) | length | hit cap "
+        "| length, dense-served | mismatch mean | mismatch max (all seeds) "
         "| served mismatch first / last position | Sparse-RL rejected seq / masked tok | learner s/step |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = []
     for key in sorted(groups, key=row_order):
@@ -351,15 +462,20 @@ def summarise(
         before = [initial.get(f"{prefix}-seed{s}", {}).get("accuracy") for s in seeds]
         after = [r["eval"]["accuracy"] for r in runs]
         delta = [None if b is None else a - b for a, b in zip(after, before, strict=True)]
+        before_dense = [initial.get(f"dense-seed{s}", {}).get("accuracy") for s in seeds]
+        after_dense = [r.get("eval_dense", r["eval"])["accuracy"] for r in runs]
         sc = [r["scalars"] for r in runs]
         positions = [r["eval"].get("mismatch_by_position") for r in runs]
         row = {
             "compression": f"{round((1 - budget) * 100)}%" if mode != "dense" else "0%", "selection": selection or "-",
             "mode": mode, "lambda": lam, "seeds": seeds, "reward_last": [_last(s, "rollout/reward_mean") for s in sc],
             "acc_before": before, "acc_after": after, "delta": delta,
-            "acc_after_dense": [r.get("eval_dense", r["eval"])["accuracy"] for r in runs],
+            "acc_before_dense": before_dense, "acc_after_dense": after_dense,
+            "delta_dense": [None if b is None else a - b for a, b in zip(after_dense, before_dense, strict=True)],
             "greedy_after": [r["eval"].get("greedy_accuracy") for r in runs],
             "length": [r["eval"].get("length") for r in runs],
+            "cap_rate": [r["eval"].get("truncation_rate") for r in runs],
+            "length_dense": [r.get("eval_dense", r["eval"]).get("length") for r in runs],
             "mismatch_mean": [_mean_over(s.get("mismatch/logprob_abs_diff_mean")) for s in sc],
             "mismatch_max": [max((v for _, v in s.get("mismatch/logprob_abs_diff_max", [])), default=None) for s in sc],
             "served_mismatch_by_position": _position_means(positions),
@@ -374,16 +490,20 @@ def summarise(
         lines.append(
             f"| {row['compression']} | {row['selection']} | {mode} | {'-' if lam is None else lam} | {len(seeds)} "
             f"| {_fmt(row['reward_last'])} | {_fmt(before)} | {_fmt(after)} | {_fmt(delta)} "
-            f"| {_fmt(row['acc_after_dense'])} | {_fmt(row['greedy_after'])} | {_fmt(row['length'], 2)} "
-            f"| {_fmt(row['mismatch_mean'], 3, False)} | {_fmt(row['mismatch_max'], 3, False)} | {served} | {sparse} "
+            f"| {_fmt(before_dense)} | {_fmt(after_dense)} | {_fmt(row['delta_dense'])} "
+            f"| {_fmt(row['greedy_after'])} | {_fmt(row['length'], 2)} | {_fmt(row['cap_rate'])} "
+            f"| {_fmt(row['length_dense'], 2)} | {_fmt(row['mismatch_mean'], 3, False)} "
+            f"| {_max(row['mismatch_max'])} | {served} | {sparse} "
             f"| {_fmt(row['learner_s'], 3, False)} |"
         )
     header = (
         f"{steps} GRPO steps per run; mean over seeds ± the half width of its 95% Student-t interval. 'acc' is "
         "held-out accuracy (avg@n at temperature 1; mean partial credit on the chain task) sampled with the cell's "
         "compressed cache (dense for the dense row) before and after RL; 'dense-served' samples the same trained "
-        "policy with a dense cache; 'greedy' decodes densely. Mismatch = |log mu - log pi_learner| on first passes, "
-        "all steps (mean of the per-step means, max of the maxima); served mismatch = |log mu - log pi_dense| of the "
+        "policy with a dense cache (its 'before' is the warm-up served densely); 'greedy' decodes densely; length "
+        "and hit cap (share of completions that reached max_new_tokens without EOS) are of the compressed-served "
+        "samples. Mismatch = |log mu - log pi_learner| on first passes, all steps (mean over seeds of the per-step "
+        "means; the max is the largest per-step maximum of any seed); served mismatch = |log mu - log pi_dense| of the "
         "trained policy's compressed samples at the first and last completion position; Sparse-RL rates are means "
         "over steps.\n\n"
     )
@@ -495,15 +615,45 @@ def paired_differences(rows: list[dict], metric: str = "acc_after") -> list[dict
     return found
 
 
+SERVED = {"acc_after": "compressed", "acc_after_dense": "dense"}
+"""Compared metrics: held-out accuracy after RL served with the cell's compressed cache, and served densely."""
+PRIMARY = (("50%", "snapkv", "smd λ=0.1", "naive", "acc_after_dense"),
+           ("50%", "snapkv", "smd λ=0.1", "sparse_rl", "acc_after_dense"))  # fmt: skip
+"""The primary comparisons, named before the free-length runs (issue 31): SMD - naive and SMD - Sparse-RL at 50%
+SnapKV compression, served densely. Holm's correction runs over these two as one family and over every other
+comparison (both served views) as a second family, each at family-wise error 0.05."""
+
+
+def mark_multiplicity(found: list[dict[str, Any]], alpha: float = 0.05) -> list[dict[str, Any]]:
+    """Set ``primary`` and ``holm`` (rejected at family-wise ``alpha`` by Holm's correction within its family, the
+    `PRIMARY` comparisons or the rest; None without a p-value) on each `paired_differences` record, in place."""
+    for f in found:
+        f["primary"] = (f["compression"], f["selection"], f["a"], f["b"], f["metric"]) in PRIMARY
+    for primary in (True, False):
+        family = [f for f in found if f["primary"] == primary]
+        for f, verdict in zip(family, holm([f.get("p_value") for f in family], alpha), strict=True):
+            f["holm"] = verdict
+    return found
+
+
 def comparisons_table(found: list[dict[str, Any]]) -> str:
-    """Markdown of `paired_differences`."""
+    """Markdown of `paired_differences` (after `mark_multiplicity`): the primary comparisons first."""
     lines = [
-        "Seed-paired differences (first minus second) of the held-out accuracy after RL, served as trained; mean ± "
-        "95% t interval over seeds. 'resolved' = the interval excludes 0.\n",
-        "| compression | selection | comparison | seeds | difference | resolved |",
-        "|---|---|---|---|---|---|",
+        "Seed-paired differences (first minus second) of the held-out accuracy after RL, served compressed (as "
+        "trained) or densely; mean ± 95% t interval over seeds; 'CI' = the interval excludes 0 (uncorrected); p = "
+        "the paired t test's two-sided p-value; 'Holm' = rejected at family-wise error 0.05 by Holm's correction, "
+        "within the primary family (the comparisons named before the runs: "
+        + "; ".join(f"{a} − {b} at {c} {sel}, {SERVED[m]}-served" for c, sel, a, b, m in PRIMARY)
+        + ") or within the family of all other rows.\n",
+        "| primary | compression | selection | comparison | served | seeds | difference | CI | p | Holm |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
-    lines += [f"| {f['compression']} | {f['selection']} | {f['a']} − {f['b']} | {difference_cells(f)} |" for f in found]
+    for f in sorted(found, key=lambda f: not f.get("primary", False)):
+        p = "-" if f.get("p_value") is None else f"{f['p_value']:.3f}"
+        holm_text = {True: "yes", False: "no", None: "-"}[f.get("holm")]
+        lines.append(f"| {'yes' if f.get('primary') else ''} | {f['compression']} | {f['selection']} "
+                     f"| {f['a']} − {f['b']} | {SERVED.get(f['metric'], f['metric'])} | {difference_cells(f)} "
+                     f"| {p} | {holm_text} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -610,13 +760,15 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         run_cells(stage, out, args.jobs)
     compressed_modes = [m for m in args.modes if m != "dense"]
     initial = initial_accuracy(out, args.seeds, args.budgets if compressed_modes else [], args.selections)
+    settings = compressed_settings(args.budgets, args.selections) if compressed_modes else []
+    atomic_write_text(out / "calibration.md", calibration_table(initial, args.seeds, settings))
     cells = grpo_cells(out, args.seeds, args.budgets, args.selections, args.steps, tuple(args.modes),
                        tuple(args.lambdas))  # fmt: skip
     results = run_cells(cells, out, args.jobs)
     table, rows = summarise(results, initial, args.steps)
     efficiency, efficiency_rows = efficiency_table(results)
-    table += "\n" + efficiency
-    found = paired_differences(rows)
+    table += "\n" + efficiency + "\n" + veto_table(results, initial)
+    found = mark_multiplicity([f for metric in SERVED for f in paired_differences(rows, metric)])
     comparisons = comparisons_table(found)
     print(table + "\n" + comparisons)
     atomic_write_text(out / "smd_table.md", table)

@@ -1,6 +1,6 @@
 """Reward functions with TRL's keyword signature, and a weighted combination that calls them as TRL does."""
 
-from lit_smd.rewards.chain import chain_hops_reward, correct_leading_hops
+from lit_smd.rewards.chain import chain_hops_reward, chain_walk_reward, correct_leading_hops
 from lit_smd.rewards.combine import DEFAULT_REWARD_TIMEOUT_S, RewardFn, RewardOutput, WeightedRewards, completion_text
 from lit_smd.rewards.math_answer import (
     answer_is_correct,
@@ -29,6 +29,7 @@ __all__ = [
     "answer_is_correct",
     "answers_match",
     "chain_hops_reward",
+    "chain_walk_reward",
     "completion_text",
     "correct_leading_hops",
     "extract_answer",

@@ -13,11 +13,12 @@ from lit_smd.tasks.datasets import (
     resolve_dataset,
     tldr,
 )
-from lit_smd.tasks.synthetic import arithmetic, key_value_retrieval, multi_hop_chain
+from lit_smd.tasks.synthetic import arithmetic, chain_walk, key_value_retrieval, multi_hop_chain
 
 __all__ = [
     "TASKS",
     "arithmetic",
+    "chain_walk",
     "check_dataset_source",
     "competition_math",
     "govreport",

@@ -37,7 +37,7 @@ from lit_smd.tasks.chat import (
     render_prompts,
     uses_chat_template,
 )
-from lit_smd.tasks.synthetic import arithmetic, key_value_retrieval, multi_hop_chain
+from lit_smd.tasks.synthetic import arithmetic, chain_walk, key_value_retrieval, multi_hop_chain
 
 logger = logging.getLogger(__name__)
 
@@ -326,6 +326,7 @@ def hotpotqa(
 
 TASKS: dict[str, Callable[..., Dataset]] = {
     "arithmetic": arithmetic,
+    "chain_walk": chain_walk,
     "gsm8k": gsm8k,
     "govreport": govreport,
     "hotpotqa": hotpotqa,

@@ -15,12 +15,17 @@ them; retrieval and arithmetic are scored by :func:`lit_smd.rewards.math_answer_
   evidence is spread over the whole prompt and an error (or an evicted pair) derails the rest of the chain: error
   compounding over a long generation. ``num_hops`` is the length knob of a curriculum;
   :func:`lit_smd.rewards.chain_hops_reward` gives partial credit (the share of leading hops that are right).
+- :func:`chain_walk`: the free-length task. The cycle's pairs listed twice (each copy shuffled: every piece of
+  evidence appears more than once), then the question at the prompt's end, a target and a start node; the answer
+  walks from the start to the target and ends there (EOS after it), so its length varies row by row and a policy
+  decides it by stopping. :func:`lit_smd.rewards.chain_walk_reward` scores the whole answer (1 when the walk is exact
+  and stops at the target).
 - :func:`arithmetic`: word-free GSM8K-format problems (``What is 12 + 7 * 3?``) with a worked ``solution`` that ends in
   ``#### <answer>``, for a supervised warm-up before RL.
 
 Columns: ``prompt`` (str), ``answer`` (str), ``solution`` (str, the supervised target: the bare value for retrieval),
 and for retrieval also ``position`` (int), plus ``query_prompts`` / ``query_answers`` (lists of str) with
-``num_queries > 1``; for the chain also ``num_hops`` (int).
+``num_queries > 1``; for the chain and the walk also ``num_hops`` (int).
 """
 
 import random
@@ -168,6 +173,59 @@ def multi_hop_chain(size: int, num_hops: int = 32, num_nodes: int = 40, seed: in
         rows["answer"].append(answer)
         rows["solution"].append(answer)
         rows["num_hops"].append(num_hops)
+    return Dataset.from_dict(rows)
+
+
+def chain_walk(
+    size: int, num_nodes: int = 16, min_hops: int = 2, max_hops: int = 8, copies: int = 2, seed: int = 0
+) -> Dataset:
+    """Free-length chain walks: ``"ab bc ca ca ab bc c?a"`` -> ``"bc"`` (from ``a`` to ``c``, then stop).
+
+    The ``num_nodes`` pairs ``<node><successor>`` of one cycle are listed ``copies`` times, each copy in its own
+    shuffled order; then the target node, ``?`` and the start node. The answer is the walk: the successor of the start,
+    then of that, ... up to and including the target, whose distance from the start is drawn uniformly from
+    ``[min_hops, max_hops]``. A policy must look each hop up and decide when to stop, so answer lengths vary (a model
+    trained with EOS after the answer ends there); `lit_smd.rewards.chain_walk_reward` scores the whole walk.
+
+    Args:
+        size: Number of rows.
+        num_nodes: Pairs in the cycle (distinct one-character nodes from `CHAIN_NODES`).
+        min_hops: Shortest walk, at least 1.
+        max_hops: Longest walk, below ``num_nodes`` (a walk never wraps past its start).
+        copies: How many times the pair list appears in the prompt, at least 1.
+        seed: Seed of the generator; the same arguments always give the same rows.
+
+    Returns:
+        A dataset with columns ``prompt``, ``answer``, ``solution`` (= ``answer``) and ``num_hops``.
+
+    Raises:
+        ValueError: If ``num_nodes`` is outside ``[2, len(CHAIN_NODES)]``, ``min_hops`` / ``max_hops`` outside
+            ``1 <= min_hops <= max_hops < num_nodes`` or ``copies < 1``.
+    """
+    if not 2 <= num_nodes <= len(CHAIN_NODES):
+        raise ValueError(f"num_nodes must be in [2, {len(CHAIN_NODES)}], got {num_nodes}")
+    if not 1 <= min_hops <= max_hops < num_nodes:
+        raise ValueError(
+            f"need 1 <= min_hops <= max_hops < num_nodes, got min_hops={min_hops}, max_hops={max_hops}, "
+            f"num_nodes={num_nodes}"
+        )
+    if copies < 1:
+        raise ValueError(f"copies must be >= 1, got {copies}")
+    rng = random.Random(seed)
+    rows: dict[str, list] = {"prompt": [], "answer": [], "solution": [], "num_hops": []}
+    for _ in range(size):
+        cycle = rng.sample(CHAIN_NODES, num_nodes)
+        pairs = [cycle[i] + cycle[(i + 1) % num_nodes] for i in range(num_nodes)]
+        listed = []
+        for _ in range(copies):
+            rng.shuffle(pairs)
+            listed += pairs
+        start, hops = rng.randrange(num_nodes), rng.randint(min_hops, max_hops)
+        answer = "".join(cycle[(start + hop) % num_nodes] for hop in range(1, hops + 1))
+        rows["prompt"].append(" ".join(listed) + f" {answer[-1]}?{cycle[start]}")
+        rows["answer"].append(answer)
+        rows["solution"].append(answer)
+        rows["num_hops"].append(hops)
     return Dataset.from_dict(rows)
 
 
