@@ -79,10 +79,10 @@ def test_p_values_and_holm_match_hand_computation(recheck, tmp_path: Path) -> No
 def test_runs_on_the_published_tables(recheck, table: str, tmp_path: Path) -> None:
     path = ROOT / "docs" / "results" / table
     data = json.loads(path.read_text())
-    args = [str(path), "--out", str(tmp_path / "out.md")] + (["--dense-served"] if "smd" in table else [])
+    args = [str(path), "--out", str(tmp_path / "out.md")] + (["--dense-served", "--cells"] if "smd" in table else [])
     text = recheck.main(args)
     rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| setting")]
-    extra = len(recheck.dense_served(data)) if "smd" in table else 0
+    extra = len(recheck.dense_served(data)) + len(recheck.cell_tests(data)) if "smd" in table else 0
     assert len(rows) == len(data["comparisons"]) + extra
     # The stored means reappear unchanged, and every p-value is in [0, 1].
     for record in recheck.recheck(data["comparisons"]):
@@ -94,9 +94,23 @@ def test_published_holm_pages_are_current(recheck) -> None:
     """docs/results/*_comparisons_holm.md are what the script prints for the published JSON."""
     results = ROOT / "docs" / "results"
     for folder in (results, results / "chain"):
-        for name, extra in (("smd", ["--dense-served"]), ("distill", [])):
+        for name, extra in (("smd", ["--dense-served", "--cells"]), ("distill", [])):
             page = folder / f"{name}_comparisons_holm.md"
             source = (folder / f"{name}_table.json").relative_to(ROOT)
             data = json.loads((ROOT / source).read_text())
-            comparisons = list(data["comparisons"]) + (recheck.dense_served(data) if extra else [])
+            comparisons = list(data["comparisons"]) + (
+                recheck.dense_served(data) + recheck.cell_tests(data) if extra else []
+            )
             assert page.read_text() == recheck.render(recheck.recheck(comparisons), source.as_posix()), page
+
+
+def test_cell_tests_on_the_published_retrieval_table(recheck) -> None:
+    """The within-cell changes and the before-RL comparison the results text quotes (docs/results/README.md)."""
+    data = json.loads((ROOT / "docs" / "results" / "smd_table.json").read_text())
+    records = {
+        (r["compression"], r["selection"], r["metric"], r["a"]): r for r in recheck.recheck(recheck.cell_tests(data))
+    }
+    before = records[("50%", "snapkv", "acc_before", "compressed sampler")]
+    assert f"{before['mean']:+.3f} ± {before['half_width']:.3f}" == "+0.031 ± 0.035"
+    assert recheck.verdict(before) == "inside the noise"
+    assert len([r for r in records.values() if r["metric"] == "delta"]) == len(data["rows"])

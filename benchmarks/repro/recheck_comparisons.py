@@ -9,11 +9,13 @@ Families: one per table and metric (``--family metric``, the default): the SMD t
 after RL is one family, and each of the distillation table's metrics (accuracy after distillation, entropy, accuracy
 and gain after dense GRPO, after SMD-GRPO, ...) is its own. ``--family table`` puts every comparison of the file in
 one family (more conservative). For an SMD table whose rows store ``acc_after_dense``, ``--dense-served`` adds the
-same pairs on the accuracy served densely (recomputed from the rows' per-seed values), as a family of its own.
+same pairs on the accuracy served densely (recomputed from the rows' per-seed values), as a family of its own;
+``--cells`` adds each cell's change under RL (after - before, against 0) and each compressed setting's accuracy before
+RL against the dense sampler's, each a family of its own.
 
 Usage::
 
-    python benchmarks/repro/recheck_comparisons.py docs/results/smd_table.json --dense-served \\
+    python benchmarks/repro/recheck_comparisons.py docs/results/smd_table.json --dense-served --cells \\
         --out docs/results/smd_comparisons_holm.md
 """
 
@@ -28,11 +30,16 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-from _stats import holm, paired_difference, t_p_value  # noqa: E402
+from _stats import holm, mean_interval, paired_difference, t_p_value  # noqa: E402
 
 from lit_smd.atomic import atomic_write_text  # noqa: E402
 
-SERVED = {"acc_after": "accuracy after RL, compressed-served", "acc_after_dense": "accuracy after RL, dense-served"}
+SERVED = {
+    "acc_after": "accuracy after RL, compressed-served",
+    "acc_after_dense": "accuracy after RL, dense-served",
+    "delta": "change within a cell (accuracy after - before RL, served as trained)",
+    "acc_before": "accuracy before RL (the warm-up): compressed sampler - dense sampler",
+}
 """Readable names of the SMD table's compared metrics."""
 
 
@@ -67,6 +74,37 @@ def dense_served(data: dict[str, Any]) -> list[dict[str, Any]]:
         if paired is not None:
             found.append({"compression": c["compression"], "selection": c["selection"], "metric": "acc_after_dense",
                           "a": c["a"], "b": c["b"], **paired})  # fmt: skip
+    return found
+
+
+def _label(row: dict[str, Any]) -> str:
+    return row["mode"] + ("" if row["lambda"] is None else f" λ={row['lambda']}")
+
+
+def cell_tests(data: dict[str, Any]) -> list[dict[str, Any]]:
+    """Tests from an SMD table's rows: each cell's change under RL (``delta``, one-sample against 0), and each
+    compressed setting's accuracy before RL against the dense sampler's (seed-paired; the warm-up is the seed's, so
+    every mode of a setting shares it). Empty for other files."""
+    rows = [r for r in data.get("rows", []) if "delta" in r and "acc_before" in r]
+    found: list[dict[str, Any]] = []
+    for r in rows:
+        values = [float(v) for v in r["delta"] if v is not None]
+        stats = mean_interval(values)
+        if stats is None:
+            continue
+        resolved = stats.half_width is not None and (stats.low > 0 or stats.high < 0)
+        found.append({"compression": r["compression"], "selection": r["selection"], "metric": "delta",
+                      "a": f"{_label(r)}: after − before", "b": "", "differences": values, "mean": stats.mean,
+                      "half_width": stats.half_width, "resolved": resolved})  # fmt: skip
+    dense = next((r for r in rows if r["mode"] == "dense"), None)
+    settings = dict.fromkeys((r["compression"], r["selection"]) for r in rows if r["mode"] != "dense")
+    for compression, selection in settings if dense is not None else ():
+        row = next(r for r in rows if (r["compression"], r["selection"]) == (compression, selection))
+        paired = paired_difference(dict(zip(row["seeds"], row["acc_before"], strict=True)),
+                                   dict(zip(dense["seeds"], dense["acc_before"], strict=True)))  # fmt: skip
+        if paired is not None:
+            found.append({"compression": compression, "selection": selection, "metric": "acc_before",
+                          "a": "compressed sampler", "b": "dense sampler", **paired})  # fmt: skip
     return found
 
 
@@ -123,18 +161,21 @@ def render(records: list[dict[str, Any]], source: str, alpha: float = 0.05, fami
         + "; ".join(f"{SERVED.get(k, k)}: {n}" for k, n in m.items())
         + " comparisons).\n",
     ]
+    metric_column = family != "metric"
     for name in m:
         members = [r for r in records if r["family"] == name]
         lines += [f"\n## {SERVED.get(name, name)}\n" if family == "metric" else "\n## all comparisons\n",
-                  "| setting | metric | comparison | seeds | difference | CI | p | Holm | verdict |",
-                  "|---|---|---|---|---|---|---|---|---|"]  # fmt: skip
+                  "| setting |" + (" metric |" if metric_column else "")
+                  + " comparison | seeds | difference | CI | p | Holm | verdict |",
+                  "|---|" + ("---|" if metric_column else "") + "---|---|---|---|---|---|---|"]  # fmt: skip
         for r in members:
             half = "" if r.get("half_width") is None else f" ± {r['half_width']:.3f}"
             p = "-" if r["p_value"] is None else _p_text(r["p_value"])
             holm_text = {True: "yes", False: "no", None: "-"}[r["holm"]]
-            lines.append(f"| {_setting(r)} | {SERVED.get(r['metric'], r['metric'])} | {r['a']} − {r['b']} "
-                         f"| {len(r['differences'])} | {r['mean']:+.3f}{half} | {'yes' if r.get('resolved') else 'no'} "
-                         f"| {p} | {holm_text} | {verdict(r)} |")  # fmt: skip
+            metric = f" {SERVED.get(r['metric'], r['metric'])} |" if metric_column else ""
+            comparison = f"{r['a']} − {r['b']}" if r["b"] else r["a"]
+            lines.append(f"| {_setting(r)} |{metric} {comparison} | {len(r['differences'])} | {r['mean']:+.3f}{half} "
+                         f"| {'yes' if r.get('resolved') else 'no'} | {p} | {holm_text} | {verdict(r)} |")  # fmt: skip
     return "\n".join(lines) + "\n"
 
 
@@ -151,9 +192,12 @@ def main(argv: list[str] | None = None) -> str:
     parser.add_argument("--family", choices=("metric", "table"), default="metric")
     parser.add_argument("--dense-served", action="store_true",
                         help="SMD tables: also compare the dense-served accuracy (a family of its own)")  # fmt: skip
+    parser.add_argument("--cells", action="store_true",
+                        help="SMD tables: also test each cell's change and compressed - dense before RL")  # fmt: skip
     args = parser.parse_args(argv)
     data = json.loads(args.json.read_text())
     comparisons = list(data["comparisons"]) + (dense_served(data) if args.dense_served else [])
+    comparisons += cell_tests(data) if args.cells else []
     records = recheck(comparisons, args.alpha, args.family)
     text = render(records, args.json.as_posix(), args.alpha, args.family)
     if args.out is not None:
