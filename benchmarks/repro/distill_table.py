@@ -2,15 +2,18 @@
 entropy-gated length curriculum, then the same students after dense GRPO (as in the paper) and after SMD-GRPO.
 
 Setup (the paper's comparison at CPU scale)
-    - Task (``--task``, as in `smd_table.py`): ``retrieval`` (two-token answers) or ``chain`` (4-hop answers,
-      ``configs/distill_chain.yaml``), where exposure bias, length inflation and the curriculum have room to act.
+    - Task (``--task``, as in `smd_table.py`): ``retrieval`` (two-token answers), ``chain`` (4-hop answers,
+      ``configs/distill_chain.yaml``) or ``walk`` (free-length walks that end with EOS, up to 16 tokens,
+      ``configs/distill_walk.yaml``), where exposure bias, length inflation and the curriculum have room to act.
     - Teacher: a wider tiny Qwen3 (hidden 128) given the task's supervised warm-up until its held-out greedy
       accuracy reaches 0.9 (``configs/teacher_sft.yaml``).
-    - Students: the task's warm-up policies (hidden 64, one per seed; the same ones `smd_table.py` starts RL from),
+    - Students: the task's warm-up policies (hidden 64, one per seed; the same ones `smd_table.py` starts RL from;
+      on ``walk`` the same warm-up stopped early, ``configs/walk_student.yaml``, so that they start below the teacher),
       distilled for ``--distill-steps`` steps with ``configs/distill_cpu.yaml`` (exact full-vocabulary KL, 32 prompts
       per step) and the shipped cell presets in ``configs/distill/``. The curriculum cell grows the completion length
-      along ``configs/curriculum.yaml`` (``curriculum_chain.yaml``: 1 -> 2 -> 4 hops); the table reports the length
-      it reached and the steps at which it advanced.
+      along ``configs/curriculum.yaml`` (``curriculum_chain.yaml``: 1 -> 2 -> 4 hops; ``curriculum_walk.yaml``: 4 -> 8
+      -> 16 tokens, against the plain mix at the longest fixed length, 16); the table reports the length it reached
+      and the steps at which it advanced.
     - Then RL, twice per distilled student: dense GRPO (the paper's follow-up; accuracy served densely) and SMD-GRPO
       at 50% KV compression, SnapKV then H2O, ``kl_coef`` 0.1 (our extension; accuracy served compressed), each
       ``--rl-steps`` steps. The "none" row is RL straight from the warm-up.
@@ -96,8 +99,22 @@ RL_KINDS = ("dense", "smd")
 """RL after distillation: dense GRPO (the paper's), SMD-GRPO at 50% SnapKV then H2O, lambda 0.1 (ours)."""
 
 
+TEACHER_WARMUP = {"walk": 0}
+"""Tasks whose teacher is the SMD table's warm-up of this seed (same width as the students, trained to the warm-up's
+level; the students stop early) instead of the wider ``teacher_sft.yaml`` model. On the walk task the wider model had
+not formed the walk circuit after 550 steps (teacher-forced token accuracy 0.17, the level before it forms), so it was
+stopped; the seed-0 warm-up has the best sampled accuracy of the three (docs/results/walk)."""
+
+
 def teacher_policy(out: Path) -> Path:
-    return out / "policies" / "teacher"
+    task = smd_table._TASK["name"]
+    return warmup_policy(out, TEACHER_WARMUP[task]) if task in TEACHER_WARMUP else out / "policies" / "teacher"
+
+
+def teacher_name() -> str:
+    """The cell whose evaluation is the teacher's row."""
+    task = smd_table._TASK["name"]
+    return f"warmup-seed{TEACHER_WARMUP[task]}" if task in TEACHER_WARMUP else "teacher"
 
 
 def teacher_cell(out: Path, max_steps: int | None, stage: str | None = None) -> Cell:
@@ -148,8 +165,11 @@ def distill_cells(out: Path, seeds: list[int], cells: list[str], steps: int) -> 
     return result
 
 
-def rl_cells(out: Path, seeds: list[int], cells: list[str], steps: int) -> list[Cell]:
-    """Dense GRPO and SMD-GRPO from each distilled student and from the warm-up itself (cell "none")."""
+def rl_cells(
+    out: Path, seeds: list[int], cells: list[str], steps: int, kinds: tuple[str, ...] = RL_KINDS
+) -> list[Cell]:
+    """Dense GRPO and SMD-GRPO (those of ``kinds``) from each distilled student and from the student itself (cell
+    "none")."""
     result = []
     for seed in seeds:
         for cell in ["none", *cells]:
@@ -158,7 +178,7 @@ def rl_cells(out: Path, seeds: list[int], cells: list[str], steps: int) -> list[
             dense = dense_cell(out, policy, seed, steps, name=f"rl-dense-{cell}-seed{seed}")
             smd = compressed_cell(out, policy, seed, steps, "smd", "snapkv", 0.5, 0.1, name=f"rl-smd-{cell}-seed{seed}")
             dense.meta, smd.meta = {**meta, "rl": "dense"}, {**meta, "rl": "smd"}
-            result += [dense, smd]
+            result += [run for run, kind in ((dense, "dense"), (smd, "smd")) if kind in kinds]
     return result
 
 
@@ -221,7 +241,7 @@ def summarise(results: dict[str, dict[str, Any]], seeds: list[int], cells: list[
         "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     rows = []
-    teacher = results.get("teacher", {}).get("eval")
+    teacher = results.get(teacher_name(), {}).get("eval")
     if teacher:
         lines.append(
             f"| teacher | - | - | {teacher['accuracy']:.3f} | {teacher['pass@1']:.3f} "
@@ -335,6 +355,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--cells", nargs="+", choices=list(CELLS), default=list(CELLS))
     parser.add_argument("--distill-steps", type=int, default=None, help="default 600")
     parser.add_argument("--rl-steps", type=int, default=None, help="GRPO steps after distillation (default 100)")
+    parser.add_argument("--rl-kinds", nargs="+", choices=RL_KINDS, default=list(RL_KINDS),
+                        help="RL after distillation: dense GRPO (the paper's), SMD-GRPO (ours), or both")
     parser.add_argument("--jobs", type=int, default=2)
     parser.add_argument("--warmup-max-steps", type=int, default=None, help="cap of the warm-ups and the teacher")
     parser.add_argument("--eval-prompts", type=int, default=None)
@@ -348,14 +370,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     out = Path(args.out)
     configure(args.task, args.eval_prompts, args.quick)
     *earlier, last = smd_table.warmup_stages(out, args.seeds, args.warmup_max_steps)
+    own_teacher = args.task not in TEACHER_WARMUP
     if earlier:  # the chain: retrieval warm-ups (and the retrieval teacher) first
-        run_cells([teacher_cell(out, args.warmup_max_steps, stage="retrieval"), *earlier[0]], out, args.jobs)
+        teachers = [teacher_cell(out, args.warmup_max_steps, stage="retrieval")] if own_teacher else []
+        run_cells([*teachers, *earlier[0]], out, args.jobs)
     students = []
     if _weak_students():
         students = [smd_table.warmup_cell(out, seed, args.warmup_max_steps, stage="student") for seed in args.seeds]
-    results = run_cells([teacher_cell(out, args.warmup_max_steps), *last, *students], out, args.jobs)
+    teachers = [teacher_cell(out, args.warmup_max_steps)] if own_teacher else []
+    results = run_cells([*teachers, *last, *students], out, args.jobs)
     results |= run_cells(distill_cells(out, args.seeds, args.cells, args.distill_steps), out, args.jobs)
-    results |= run_cells(rl_cells(out, args.seeds, args.cells, args.rl_steps), out, args.jobs)
+    results |= run_cells(rl_cells(out, args.seeds, args.cells, args.rl_steps, tuple(args.rl_kinds)), out, args.jobs)
     compressed_start_accuracy(out, results)
     table, rows = summarise(results, args.seeds, args.cells)
     compared, found = comparisons(rows)

@@ -10,6 +10,7 @@ Usage::
 
     python benchmarks/repro/run.py                          # retrieval, 5 seeds: hours on 2 CPU cores
     python benchmarks/repro/run.py --task chain --out out/repro-chain --distill-steps 300
+    python benchmarks/repro/run.py --task walk --out out/repro-walk   # the free-length task (its TASK_FLAGS)
     python benchmarks/repro/run.py --quick --out /tmp/q --publish ''   # the pipeline end to end, minutes
 """
 
@@ -34,6 +35,14 @@ from _runner import ROOT  # noqa: E402
 
 from lit_smd.atomic import atomic_write_text  # noqa: E402
 
+TASK_FLAGS = {
+    "walk": {"smd": ["--seeds", "0", "1", "2", "--steps", "80", "--selections", "snapkv", "random", "--lambdas", "0",
+                     "0.1"],
+             "distill": ["--seeds", "0", "1", "2", "--distill-steps", "150", "--rl-steps", "30",
+                         "--rl-kinds", "dense"]},
+}  # fmt: skip
+"""Per task, the flags of its published run (explicit flags given to this script come after them and win): the free
+length task at the size that fits about two hours of 2 CPU cores (docs/results/walk/run_info.md)."""
 PUBLISHED = ("calibration.md", "smd_table.md", "smd_comparisons.md", "smd_table.json", "distill_table.md",
              "distill_comparisons.md", "distill_table.json", "distill_curves.png")  # fmt: skip
 
@@ -65,6 +74,8 @@ def main(argv: list[str] | None = None) -> None:
     smd = shared + (["--seeds", *map(str, args.seeds)] if args.seeds else [])
     distill_seeds = args.distill_seeds or args.seeds
     distill = shared + (["--seeds", *map(str, distill_seeds)] if distill_seeds else [])
+    flags = TASK_FLAGS.get(args.task, {}) if not args.quick else {}
+    smd, distill = flags.get("smd", []) + smd, flags.get("distill", []) + distill
     start, cpu_start = time.perf_counter(), os.times()
     smd_table.main(smd + (["--steps", str(args.steps)] if args.steps else []))
     distill += ["--distill-steps", str(args.distill_steps)] if args.distill_steps else []
