@@ -122,6 +122,10 @@ def test_every_kind_of_cell_is_a_valid_cli_command(repro, tmp_path, task):
             assert bool(curriculum) == meta["cell"].endswith("+curriculum")
             if curriculum and task == "chain":
                 assert curriculum[0].lengths == [1, 2, smd.TASKS["chain"]["eval"]["max_new_tokens"]]
+            if curriculum and task == "walk":  # up to the longest fixed length, the plain mix's
+                assert curriculum[0].lengths == [4, 8, smd.TASKS["walk"]["eval"]["max_new_tokens"]]
+            if task == "walk" and not curriculum:
+                assert module.max_new_tokens == smd.TASKS["walk"]["eval"]["max_new_tokens"]
         assert cli.trainer.max_steps == 3
     assert len(checked) >= 8
 
