@@ -311,7 +311,8 @@ def causal_rows_attention(
 # ------------------------------------------------------------------------------------------ visible-key blocks
 
 VISIBLE_BLOCK = 256
-"""Queries per block of `visible_attention` (its masked piece is about ``block x (block + dying keys)``)."""
+"""Queries per block of `visible_attention` (its masked piece is about ``block x (block + dying keys)``; a block whose
+mask would pass `BLOCK_ELEMENTS` is halved). 256 measured fastest of 128-1024 at 8k tokens, head size 16."""
 
 
 @dataclass
@@ -345,12 +346,29 @@ class _Piece:
             grad[:, :, self.lo : self.hi] += part[:, :, gathered:]
 
 
-def _pieces(limit: Tensor, query_pos: Tensor, own_from: int, start: int, stop: int, dtype: torch.dtype) -> list[_Piece]:
+def _blocks(limit: Tensor, query_pos: Tensor, own_from: int, block: int, dtype: torch.dtype):
+    """Yield ``(start, stop, pieces)`` over the query blocks of `visible_attention`: ``block`` queries each, halved
+    (not below `MIN_BLOCK`) while the masked piece would hold more than `BLOCK_ELEMENTS` entries (many keys dying
+    within the block, or rows that see very different numbers of earlier keys). Deterministic: the backward walks
+    the same blocks."""
+    length, start = query_pos.shape[1], 0
+    while start < length:
+        size = min(block, length - start)
+        while (pieces := _pieces(limit, query_pos, own_from, start, start + size, dtype, size > MIN_BLOCK)) is None:
+            size = max(MIN_BLOCK, size // 2)
+        yield start, start + size, pieces
+        start += size
+
+
+def _pieces(
+    limit: Tensor, query_pos: Tensor, own_from: int, start: int, stop: int, dtype: torch.dtype, bounded: bool = False
+) -> list[_Piece] | None:
     """The keys query block ``[start, stop)`` attends to, in at most two pieces (see `visible_attention`).
 
     The first holds, per row, the same number of earlier keys visible to every query of the block (no mask); the
     second the other earlier keys still alive at the block's first query (gathered, padded with dead ones) and the
-    block's own keys, under a mask (or top-left causal when all of them outlive the block).
+    block's own keys, under a mask (or top-left causal when all of them outlive the block). With ``bounded``, None
+    when that mask would hold more than `BLOCK_ELEMENTS` entries.
     """
     before = own_from + start
     query_pos = query_pos[:, start:stop]  # [B' or 1, Bq]
@@ -382,6 +400,8 @@ def _pieces(limit: Tensor, query_pos: Tensor, own_from: int, start: int, stop: i
     if rest_count == 0 and bool((own > query_pos[:, -1:]).all()):
         pieces.append(_Piece(None, before, own_from + stop, causal=True))  # plain causal: no mask
         return pieces
+    if bounded and rows * (stop - start) * (rest_count + stop - start) > BLOCK_ELEMENTS:
+        return None
     index, rest_limit = None, own
     if rest_count > 0:
         slot = torch.where(rest, rest.cumsum(dim=1) - 1, rest_count)  # [B', C]: place in the row, or the spare column
@@ -423,10 +443,9 @@ class _VisibleBlocks(torch.autograd.Function):
         with torch.no_grad():
             keys, values = build(*inputs)
         out, lse = query.new_empty(*query.shape[:-1], values.shape[-1]), None  # [B', Hq', T, Dv], [B', Hq', T]
-        for start in range(0, query.shape[2], block):
-            stop = min(query.shape[2], start + block)
+        for start, stop, pieces in _blocks(limit, query_pos, own_from, block, query.dtype):
             parts = []
-            for piece in _pieces(limit, query_pos, own_from, start, stop, query.dtype):
+            for piece in pieces:
                 parts.append(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                     query[:, :, start:stop], piece.take(keys), piece.take(values), is_causal=piece.causal,
                     attn_mask=piece.mask, scale=scaling,
@@ -449,13 +468,12 @@ class _VisibleBlocks(torch.autograd.Function):
             keys, values = ctx.build(*leaves)
         grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
         grad_query = torch.empty_like(query)
-        for start in range(0, query.shape[2], block):
-            stop = min(query.shape[2], start + block)
+        for start, stop, pieces in _blocks(limit, query_pos, own_from, block, query.dtype):
             block_grad = grad_out[:, :, start:stop].contiguous()
             block_query, block_out = query[:, :, start:stop], out[:, :, start:stop].contiguous()
             block_lse = lse[:, :, start:stop].contiguous()
             total = None
-            for piece in _pieces(limit, query_pos, own_from, start, stop, query.dtype):
+            for piece in pieces:
                 dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                     block_grad, block_query, piece.take(keys.detach()), piece.take(values.detach()), block_out,
                     block_lse, 0.0, piece.causal, attn_mask=piece.mask, scale=ctx.scaling,

@@ -111,3 +111,30 @@ def test_visible_attention_without_gradient_matches():
         expected = _naive(query, key, value, limit, query_pos, 9, 0.5)
     assert not out.requires_grad
     assert (out - expected).abs().max() <= 1e-12
+
+
+def test_visible_attention_halves_blocks_whose_mask_would_be_too_large(monkeypatch):
+    """Keys dying at random make the masked piece wide: blocks shrink until it fits `BLOCK_ELEMENTS` (not below
+    `MIN_BLOCK`), forward and backward walk the same blocks, and the result stays exact."""
+    monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 3 * 8 * 40)
+    monkeypatch.setattr(blocked, "MIN_BLOCK", 2)
+    sizes = []
+    walk = blocked._blocks
+
+    def spy(*args):
+        for start, stop, pieces in walk(*args):
+            sizes.append(stop - start)
+            yield start, stop, pieces
+
+    monkeypatch.setattr(blocked, "_blocks", spy)
+    query, key, value, limit, query_pos = _case(20, 60, 40, 0.2)
+    out = visible_attention(query, lambda k, v: (k, v), (key, value), limit, query_pos, 20, 0.3, block=32)
+    expected = _naive(query, key, value, limit, query_pos, 20, 0.3)
+    assert (out - expected).abs().max() <= 1e-12
+    forward_sizes = list(sizes)
+    assert sum(forward_sizes) == 60 and max(forward_sizes) < 32 and min(forward_sizes) >= 2, forward_sizes
+    grad_out = torch.randn_like(expected)
+    grads = torch.autograd.grad(out, (query, key, value), grad_out)
+    assert sizes[len(forward_sizes) :] == forward_sizes
+    for grad, reference in zip(grads, torch.autograd.grad(expected, (query, key, value), grad_out), strict=True):
+        assert (grad - reference).abs().max() <= 1e-12
