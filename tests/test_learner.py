@@ -371,6 +371,28 @@ def test_query_blocks_and_pruned_keys_replay_the_rollout_exactly(model64, family
         assert (grad - grads[name]).abs().max() <= 1e-10, name
 
 
+def test_per_row_teacher_runs_in_row_chunks_with_the_same_states(model64, monkeypatch):
+    """Without a shared prefix the dense teacher runs a few rows per decoder call (its transient is a chunk's, not the
+    batch's): the same hidden states as one call."""
+    import lit_smd.learner as learner_module
+
+    model = model64("qwen3")
+    rollout = _rollout(model)
+    masked = learner_hidden_states(model, rollout, shadow=True, layout="per_row")
+    with torch.no_grad():
+        whole = dense_hidden_states(model, rollout, masked)
+        calls = []
+        per_row = learner_module._per_row_hidden_states
+        spy = lambda *args, **kwargs: calls.append(1) or per_row(*args, **kwargs)  # noqa: E731
+        monkeypatch.setattr(learner_module, "_per_row_hidden_states", spy)
+        monkeypatch.setattr(learner_module, "TEACHER_TOKENS", 1)  # one row per call
+        chunked = dense_hidden_states(model, rollout, masked)
+    assert len(calls) == len(rollout) > 1
+    valid = rollout.completion_mask[..., None]
+    assert ((chunked - whole) * valid).abs().max() <= 1e-12
+    assert ((whole - _per_row(model, rollout, False)) * valid).abs().max() <= 1e-12
+
+
 def test_kept_prompt_keys_and_hidden_states_hold_only_the_prompt(model64):
     model = model64("qwen3")
     rollout = _rollout(model)
