@@ -393,8 +393,8 @@ def _pieces(
         rest_count = 0
     else:
         rest = earlier > query_pos[:, :1]  # alive at the block's first query
-        if first is not None:
-            rest &= ~taken if first.index is not None else ~settled
+        if first is not None:  # a gather (all of a row's earlier keys would have made the first piece a slice)
+            rest &= ~taken
         counts = rest.sum(dim=1)
         rest_count = int(counts.max())
     if rest_count == 0 and bool((own > query_pos[:, -1:]).all()):
