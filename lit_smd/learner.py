@@ -26,7 +26,7 @@ the completion tokens run again, densely and without gradient.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 import torch
@@ -54,6 +54,11 @@ __all__ = [
 
 LearnerLayout = Literal["shared_prefix", "per_row"]
 LEARNER_LAYOUTS: tuple[str, ...] = ("shared_prefix", "per_row")
+
+TEACHER_TOKENS = 1 << 13
+"""Most tokens of one per-row decoder call of `dense_hidden_states` (at least one row): the teacher runs without
+gradient while the masked pass's activations are held, so its per-layer transient sets SMD's peak; in row chunks it is
+one chunk's, not the batch's."""
 
 
 def check_learner_layout(layout: object, name: str = "learner_layout") -> None:
@@ -138,7 +143,7 @@ def dense_hidden_states(model: torch.nn.Module, rollout: Rollout, masked: Learne
     """
     packing = masked._packing
     if packing is None:
-        return _per_row_hidden_states(model, rollout, shadow=False, backend=masked.backend)
+        return _dense_rows_in_chunks(model, rollout, masked.backend)
     if not packing.plan.prompt_kv:
         return learner_hidden_states(model, rollout, shadow=False, backend=masked.backend).hidden
     width = packing.plan.prompt_width
@@ -203,6 +208,19 @@ def _per_row_batch(rollout: Rollout, pad_token_id: int) -> tuple[Tensor, Tensor,
     lengths = prompt_lengths + rollout.completion_lengths
     ids = ids.masked_fill(columns >= lengths[:, None], pad_token_id)
     return ids, lengths, prompt_lengths
+
+
+def _dense_rows_in_chunks(model: torch.nn.Module, rollout: Rollout, backend: Backend) -> Tensor:
+    """`_per_row_hidden_states` of the dense view, `TEACHER_TOKENS` at a time when no gradient is recorded."""
+    width = rollout.prompt_ids.shape[1] + rollout.completion_ids.shape[1]
+    rows = max(1, TEACHER_TOKENS // width)
+    if torch.is_grad_enabled() or rows >= len(rollout):
+        return _per_row_hidden_states(model, rollout, shadow=False, backend=backend)
+    rollout = replace(rollout, shadow_mask=None)  # the dense view: no eviction steps to copy per chunk
+    return torch.cat([
+        _per_row_hidden_states(model, rollout[start : start + rows], shadow=False, backend=backend)
+        for start in range(0, len(rollout), rows)
+    ])  # fmt: skip
 
 
 def _per_row_hidden_states(model: torch.nn.Module, rollout: Rollout, *, shadow: bool, backend: Backend) -> Tensor:

@@ -330,24 +330,38 @@ def test_activation_checkpointing_gives_the_same_gradients(model64):
     _assert_same(model, rollout, True)
 
 
+@pytest.mark.parametrize("path", ["visible", "sdpa"])
 @pytest.mark.parametrize("layout", ["shared_prefix", "per_row"])
-def test_query_blocks_and_pruned_keys_replay_the_rollout_exactly(model64, family, layout, monkeypatch):
-    """Many small query blocks, each over only its live keys, give the one-block pass's log-probs and gradients."""
+def test_query_blocks_and_pruned_keys_replay_the_rollout_exactly(model64, family, layout, path, monkeypatch):
+    """Many small query blocks, each over only its live keys, give the one-block pass's log-probs and gradients:
+    the fused form (`visible_attention`: a gathered piece without mask and a masked one) and checkpointed SDPA
+    blocks over pruned keys."""
     import lit_smd.kv.blocked as blocked
+    import lit_smd.kv.packed as packed
 
     model = model64(family)
+    if path == "visible" and getattr(model.config, "v_head_dim", None) not in (None, model.config.head_dim):
+        pytest.skip("values of another head size than the keys (MLA) run the SDPA blocks, not the fused kernel")
     rollout = _rollout(model)
     reference, reference_grads = _logprobs_and_grads(
         model, rollout, lambda: learner_hidden_states(model, rollout, shadow=True, layout=layout).hidden
     )
     assert (reference - rollout.logprobs).abs().max() <= 1e-12
     pruned = []
-    alive_index = blocked.alive_index
-    monkeypatch.setattr(blocked, "MIN_BLOCK", 4)
-    monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 64)
-    monkeypatch.setattr(blocked, "PRUNE_BELOW", 1.0)
-    spy = lambda alive: pruned.append(alive_index(alive)) or pruned[-1]  # noqa: E731
-    monkeypatch.setattr(blocked, "alive_index", spy)  # both layouts prune through blocked.live_keys
+    if path == "visible":
+        monkeypatch.setattr(blocked, "VISIBLE_BLOCK", 3)
+        pieces = blocked._pieces
+        spy = lambda *args: pruned.extend(p.index for p in pieces(*args)) or pieces(*args)  # noqa: E731
+        monkeypatch.setattr(blocked, "_pieces", spy)
+    else:
+        monkeypatch.setattr(blocked, "fused_blocks", lambda *args: False)
+        monkeypatch.setattr(packed, "fused_blocks", lambda *args: False)
+        alive_index = blocked.alive_index
+        monkeypatch.setattr(blocked, "MIN_BLOCK", 4)
+        monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 64)
+        monkeypatch.setattr(blocked, "PRUNE_BELOW", 1.0)
+        spy = lambda alive: pruned.append(alive_index(alive)) or pruned[-1]  # noqa: E731
+        monkeypatch.setattr(blocked, "alive_index", spy)  # both layouts prune through blocked.live_keys
     logprobs, grads = _logprobs_and_grads(
         model, rollout, lambda: learner_hidden_states(model, rollout, shadow=True, layout=layout).hidden
     )
@@ -355,6 +369,28 @@ def test_query_blocks_and_pruned_keys_replay_the_rollout_exactly(model64, family
     assert (logprobs - rollout.logprobs).abs().max() <= 1e-12
     for name, grad in reference_grads.items():
         assert (grad - grads[name]).abs().max() <= 1e-10, name
+
+
+def test_per_row_teacher_runs_in_row_chunks_with_the_same_states(model64, monkeypatch):
+    """Without a shared prefix the dense teacher runs a few rows per decoder call (its transient is a chunk's, not the
+    batch's): the same hidden states as one call."""
+    import lit_smd.learner as learner_module
+
+    model = model64("qwen3")
+    rollout = _rollout(model)
+    masked = learner_hidden_states(model, rollout, shadow=True, layout="per_row")
+    with torch.no_grad():
+        whole = dense_hidden_states(model, rollout, masked)
+        calls = []
+        per_row = learner_module._per_row_hidden_states
+        spy = lambda *args, **kwargs: calls.append(1) or per_row(*args, **kwargs)  # noqa: E731
+        monkeypatch.setattr(learner_module, "_per_row_hidden_states", spy)
+        monkeypatch.setattr(learner_module, "TEACHER_TOKENS", 1)  # one row per call
+        chunked = dense_hidden_states(model, rollout, masked)
+    assert len(calls) == len(rollout) > 1
+    valid = rollout.completion_mask[..., None]
+    assert ((chunked - whole) * valid).abs().max() <= 1e-12
+    assert ((whole - _per_row(model, rollout, False)) * valid).abs().max() <= 1e-12
 
 
 def test_kept_prompt_keys_and_hidden_states_hold_only_the_prompt(model64):
@@ -383,16 +419,18 @@ def test_score_projects_in_chunks_with_the_same_result(model64):
 
 @pytest.mark.parametrize("layout", ["shared_prefix", "per_row"])
 def test_fused_blocks_give_the_checkpointed_blocks_gradients(model64, layout, monkeypatch):
-    """The CPU kernel's own backward with the mask rebuilt equals autograd through checkpointed SDPA blocks."""
+    """The CPU kernel's own backward over each block's visible keys equals autograd through checkpointed SDPA
+    blocks."""
     import lit_smd.kv.blocked as blocked
     import lit_smd.kv.packed as packed
 
     model = model64("qwen3", sliding_window=9)  # a windowed dense prompt: fused blocks in both views
     rollout = _rollout(model)
     monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 256)
+    monkeypatch.setattr(blocked, "VISIBLE_BLOCK", 5)
     fused_calls = []
-    fused = blocked._FusedBlock.apply
-    monkeypatch.setattr(blocked._FusedBlock, "apply", lambda *args: fused_calls.append(1) or fused(*args))
+    fused = blocked._VisibleBlocks.apply
+    monkeypatch.setattr(blocked._VisibleBlocks, "apply", lambda *args: fused_calls.append(1) or fused(*args))
     results = []
     for use_fused in (True, False):
         if not use_fused:

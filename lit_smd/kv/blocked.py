@@ -3,25 +3,35 @@
 The shadow view's visibility (`lit_smd.kv.shadow`: query ``i`` sees key ``j`` iff ``j <= i < e[j]``, per layer and
 KV head) has no kernel of its own on the CPU. Building it as one boolean ``[rows, heads, T, T]`` mask per layer, as
 the first learner did, costs gigabytes at the lengths SMD is for (one 16k-token row of a model with 8 KV heads:
-2 GiB of mask, and SDPA converts it to float). Here the queries are cut into blocks; each block's mask
-``[rows, heads, block, keys]`` is computed from the eviction steps where it is used, the block runs one SDPA call
-(or the explicit-softmax path of layers with softcap / sinks, `lit_smd.kv.features`) and the mask is dropped. Under
-autograd every block is checkpointed (`torch.utils.checkpoint`), so the backward rebuilds the block's mask instead of
-keeping it: the memory held between forward and backward is that of the queries, keys and values the model keeps
-anyway, and the transient memory is one block's, whatever the length.
+2 GiB of mask, and SDPA converts it to float). Here the queries are cut into blocks and each block's visibility is
+computed from the eviction steps where it is used. Two forms:
 
-The block size is chosen so that one block's mask holds about `BLOCK_ELEMENTS` entries; a block never has fewer than
-`MIN_BLOCK` queries. The cost against one fused call: the forward attention runs twice under autograd (once more in
-the backward), and each block reads its mask.
+* `visible_attention` (the CPU's fused kernel: plain layers, no dropout; both views, with and without gradient): one
+  autograd node per layer whose forward and backward loop over the query blocks. A block attends only to the keys it
+  can see, in two pieces whose softmaxes are merged through their log-normalisers: the earlier keys every query of
+  the block sees (as many in every row: a slice or a gather, no mask), and the few that die within the block plus
+  the block's own keys (under a mask ``[rows, 1, block, few + block]``, or plain causal when none dies). Keys evicted
+  before the block are not read, so at a 50% budget a block costs about half of dense attention, and the mask is
+  about ``block x block`` instead of ``block x keys``. The backward rebuilds each block's pieces and runs the kernel's
+  backward per piece against the merged output and log-normaliser (the exact gradients of the whole softmax),
+  adding the key / value gradients into one buffer per layer. Only the queries, keys, values, output and
+  log-normaliser are kept between forward and backward.
+* otherwise (layers with softcap / sinks, dropout, SDPA on other devices): `block_attention` per block, with the
+  block's mask ``[rows, heads, block, keys]`` (earlier keys evicted before the block gathered out, `live_keys`) and
+  SDPA or the explicit-softmax path of `lit_smd.kv.features`; under autograd every block is checkpointed
+  (`torch.utils.checkpoint`), so the backward rebuilds the block's mask instead of keeping it. Its block size is
+  chosen so that a mask holds about `BLOCK_ELEMENTS` entries, never fewer than `MIN_BLOCK` queries.
 
 `causal_rows_attention` is the per-row form (right-padded rows whose column is the logical position); the dense view
 without a sliding window needs no mask at all there (causal attention hides right padding from real queries) and runs
-SDPA's fused causal kernel. `lit_smd.kv.packed` uses `over_query_blocks` and `fold_kv_heads` for its slots.
+SDPA's fused causal kernel. `lit_smd.kv.packed` uses both forms, `over_query_blocks` and `fold_kv_heads` for its
+slots.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -33,6 +43,7 @@ __all__ = [
     "BLOCK_ELEMENTS",
     "MIN_BLOCK",
     "NEVER",
+    "VISIBLE_BLOCK",
     "alive_index",
     "block_attention",
     "causal_rows_attention",
@@ -43,6 +54,7 @@ __all__ = [
     "live_keys",
     "over_query_blocks",
     "query_block",
+    "visible_attention",
 ]
 
 NEVER = torch.iinfo(torch.int32).max
@@ -77,45 +89,9 @@ def over_query_blocks(run: Callable[[int, int], Tensor], num_queries: int, block
     return outputs[0] if len(outputs) == 1 else torch.cat(outputs, dim=2)
 
 
-class _FusedBlock(torch.autograd.Function):
-    """One query block of plain attention on the CPU's fused SDPA kernel, its keys and mask rebuilt in the backward.
-
-    ``prepare(*inputs) -> (keys, values, float_mask)`` builds the block's keys / values (slices, gathers or copies
-    of ``inputs``) and its additive mask. The forward keeps only the block's queries, ``inputs`` (tensors autograd
-    keeps anyway), the output and its log-normaliser; the backward runs ``prepare`` again and the kernel's backward.
-    Against a checkpointed block this saves the recomputed forward attention.
-    """
-
-    @staticmethod
-    def forward(ctx, query: Tensor, prepare: Callable, scaling: float, *inputs: Tensor) -> Tensor:
-        with torch.no_grad():
-            keys, values, mask = prepare(*inputs)
-        out, log_norm = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-            query, keys, values, attn_mask=mask, scale=scaling
-        )  # [B', H', Bq, D], [B', H', Bq]
-        ctx.save_for_backward(query, out, log_norm, *inputs)
-        ctx.prepare, ctx.scaling = prepare, scaling
-        return out
-
-    @staticmethod
-    def backward(ctx, grad_out: Tensor):
-        query, out, log_norm, *inputs = ctx.saved_tensors
-        leaves = [x.detach().requires_grad_(need) for x, need in zip(inputs, ctx.needs_input_grad[3:], strict=True)]
-        with torch.enable_grad():
-            keys, values, mask = ctx.prepare(*leaves)
-        grad_query, grad_keys, grad_values = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
-            grad_out.contiguous(), query, keys.detach(), values.detach(), out, log_norm, 0.0, False, attn_mask=mask,
-            scale=ctx.scaling,
-        )  # fmt: skip
-        wanted = [leaf for leaf in leaves if leaf.requires_grad]
-        grads = iter(torch.autograd.grad([keys, values], wanted, [grad_keys, grad_values], allow_unused=True))
-        return (grad_query, None, None, *(next(grads) if leaf.requires_grad else None for leaf in leaves))
-
-
 def fused_blocks(query: Tensor, value_dim: int, features: AttentionFeatures, dropout: float) -> bool:
-    """Whether the query blocks run `_FusedBlock`: the CPU's fused kernel with an additive mask built directly (no
-    boolean mask for SDPA to convert), and with gradients its own backward; else SDPA (checkpointed under autograd)
-    or the explicit softmax of layers with features."""
+    """Whether the query blocks run `visible_attention` (the CPU's fused kernel over the keys each block can see,
+    one autograd node per layer); else checkpointed SDPA blocks or the explicit softmax of layers with features."""
     return query.device.type == "cpu" and features.plain and not dropout and value_dim == query.shape[-1]
 
 
@@ -150,19 +126,12 @@ def block_attention(
     scaling: float,
     features: AttentionFeatures,
     *,
-    fused: bool,
     dropout: float = 0.0,
     sinks: Tensor | None = None,
 ) -> Tensor:
     """One query block: ``query [B', H_q', Bq, D]`` over the keys of ``prepare(*inputs) -> (keys, values,
-    query_pos, limit, causal_from)`` (see `block_mask`) -> ``[B', H_q', Bq, D_v]``, through `_FusedBlock` when
-    ``fused``."""
-    if fused:
-        def prepare_additive(*tensors: Tensor) -> tuple[Tensor, Tensor, Tensor]:
-            keys, values, query_pos, limit, causal_from = prepare(*tensors)
-            return keys, values, block_mask(query_pos, limit, causal_from, query.dtype)
-
-        return _FusedBlock.apply(query, prepare_additive, scaling, *inputs)
+    query_pos, limit, causal_from)`` (see `block_mask`) -> ``[B', H_q', Bq, D_v]`` (SDPA with a boolean mask, or the
+    explicit softmax of layers with features)."""
     keys, values, query_pos, limit, causal_from = prepare(*inputs)
     visible = block_mask(query_pos, limit, causal_from, None)
     return attention(query, keys, values, visible, scaling, features, dropout=dropout, sinks=sinks)
@@ -313,6 +282,10 @@ def causal_rows_attention(
     if windowed:
         limit = torch.minimum(limit, positions + sliding_window)
 
+    if fused_blocks(query, value.shape[-1], features, dropout):
+        out = visible_attention(query, _as_built, (key, value), limit, positions[None], 0, scaling)
+        return out.reshape(batch, q_heads, width, out.shape[-1])
+
     def run(start: int, stop: int) -> Tensor:
         lo = max(0, start - sliding_window + 1) if windowed else 0  # keys before lo are out of every query's window
         query_pos = positions[None, start:stop]  # [1, Bq]
@@ -325,13 +298,231 @@ def causal_rows_attention(
             return keys, values, query_pos, kept, causal_from
 
         return block_attention(
-            query[:, :, start:stop], prepare, (key, value), scaling, features, fused=fused, dropout=dropout,
-            sinks=sinks,
-        )  # fmt: skip
+            query[:, :, start:stop], prepare, (key, value), scaling, features, dropout=dropout, sinks=sinks
+        )
 
     keys_per_block = width if not windowed else min(width, sliding_window + query_block(mask_rows, width, width))
     block = query_block(mask_rows, width, keys_per_block)
     grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    fused = fused_blocks(query, value.shape[-1], features, dropout)
-    out = over_query_blocks(run, width, block, recompute=grad and not fused)  # [B', H', T, Dv]
+    out = over_query_blocks(run, width, block, recompute=grad)  # [B', H', T, Dv]
     return out.reshape(batch, q_heads, width, out.shape[-1])
+
+
+# ------------------------------------------------------------------------------------------ visible-key blocks
+
+VISIBLE_BLOCK = 256
+"""Queries per block of `visible_attention` (its masked piece is about ``block x (block + dying keys)``; a block whose
+mask would pass `BLOCK_ELEMENTS` is halved). 256 measured fastest of 128-1024 at 8k tokens, head size 16."""
+
+
+@dataclass
+class _Piece:
+    """Keys of one query block that one kernel call attends to: ``keys[:, :, index]`` (``index [B', n]``, per row),
+    then the columns ``[lo, hi)``; with an additive ``mask`` ``[B', 1, Bq, n + hi - lo]``, or top-left ``causal``
+    (the block's own keys only), or neither (every key visible to every query of the block)."""
+
+    index: Tensor | None
+    lo: int
+    hi: int
+    mask: Tensor | None = None
+    causal: bool = False
+
+    def take(self, keys: Tensor) -> Tensor:
+        """``keys [B', H', K, D]`` -> ``[B', H', n + hi - lo, D]`` (a view when there is no index)."""
+        span = keys[:, :, self.lo : self.hi]
+        if self.index is None:
+            return span
+        gathered = gather_keys(keys, self.index)
+        return gathered if self.hi == self.lo else torch.cat([gathered, span], dim=2)
+
+    def add_to(self, grad: Tensor, part: Tensor) -> None:
+        """Accumulate ``part [B', H', n + hi - lo, D]`` (the gradient of `take`'s keys) into ``grad [B', H', K, D]``."""
+        gathered = 0
+        if self.index is not None:
+            gathered = self.index.shape[1]
+            index = self.index[:, None, :, None].expand(-1, grad.shape[1], -1, grad.shape[-1])
+            grad.scatter_add_(2, index, part[:, :, :gathered])
+        if self.hi > self.lo:
+            grad[:, :, self.lo : self.hi] += part[:, :, gathered:]
+
+
+def _blocks(limit: Tensor, query_pos: Tensor, own_from: int, block: int, dtype: torch.dtype):
+    """Yield ``(start, stop, pieces)`` over the query blocks of `visible_attention`: ``block`` queries each, halved
+    (not below `MIN_BLOCK`) while the masked piece would hold more than `BLOCK_ELEMENTS` entries (many keys dying
+    within the block, or rows that see very different numbers of earlier keys). Deterministic: the backward walks
+    the same blocks."""
+    length, start = query_pos.shape[1], 0
+    while start < length:
+        size = min(block, length - start)
+        while (pieces := _pieces(limit, query_pos, own_from, start, start + size, dtype, size > MIN_BLOCK)) is None:
+            size = max(MIN_BLOCK, size // 2)
+        yield start, start + size, pieces
+        start += size
+
+
+def _pieces(
+    limit: Tensor, query_pos: Tensor, own_from: int, start: int, stop: int, dtype: torch.dtype, bounded: bool = False
+) -> list[_Piece] | None:
+    """The keys query block ``[start, stop)`` attends to, in at most two pieces (see `visible_attention`).
+
+    The first holds, per row, the same number of earlier keys visible to every query of the block (no mask); the
+    second the other earlier keys still alive at the block's first query (gathered, padded with dead ones) and the
+    block's own keys, under a mask (or top-left causal when all of them outlive the block). With ``bounded``, None
+    when that mask would hold more than `BLOCK_ELEMENTS` entries.
+    """
+    before = own_from + start
+    query_pos = query_pos[:, start:stop]  # [B' or 1, Bq]
+    rows = limit.shape[0]
+    earlier, own = limit[:, :before], limit[:, before : own_from + stop]  # [B', C], [B', Bq]
+    settled = earlier > query_pos[:, -1:]  # visible to every query of the block
+    pieces = []
+    if before == 0:
+        kept, first = 0, None
+    else:
+        kept = int(settled.sum(dim=1).min())  # the same count in every row: no padding, so no mask
+        if kept == before:
+            first = _Piece(None, 0, before)
+        elif kept > 0:
+            taken = settled & (settled.cumsum(dim=1) <= kept)
+            first = _Piece(taken.nonzero()[:, 1].view(rows, kept), 0, 0)
+        else:
+            first = None
+    if first is not None:
+        pieces.append(first)
+    if kept == before:
+        rest_count = 0
+    else:
+        rest = earlier > query_pos[:, :1]  # alive at the block's first query
+        if first is not None:  # a gather (all of a row's earlier keys would have made the first piece a slice)
+            rest &= ~taken
+        counts = rest.sum(dim=1)
+        rest_count = int(counts.max())
+    if rest_count == 0 and bool((own > query_pos[:, -1:]).all()):
+        pieces.append(_Piece(None, before, own_from + stop, causal=True))  # plain causal: no mask
+        return pieces
+    if bounded and rows * (stop - start) * (rest_count + stop - start) > BLOCK_ELEMENTS:
+        return None
+    index, rest_limit = None, own
+    if rest_count > 0:
+        slot = torch.where(rest, rest.cumsum(dim=1) - 1, rest_count)  # [B', C]: place in the row, or the spare column
+        columns = torch.arange(before, device=limit.device).expand(rows, -1)
+        index = torch.zeros(rows, rest_count + 1, dtype=torch.long, device=limit.device)
+        index.scatter_(1, slot, columns)
+        index = index[:, :rest_count]  # padded with key 0, hidden by a zero limit
+        padding = torch.arange(rest_count, device=limit.device) >= counts[:, None]
+        rest_limit = torch.cat([limit.gather(1, index).masked_fill(padding, 0), own], dim=1)
+    mask = block_mask(query_pos, rest_limit, rest_count, dtype)
+    pieces.append(_Piece(index, before, own_from + stop, mask=mask))
+    return pieces
+
+
+def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
+    """One softmax's ``(out, log-normaliser)`` from those of disjoint key sets."""
+    if len(parts) == 1:
+        return parts[0]
+    (out_a, lse_a), (out_b, lse_b) = parts
+    lse = torch.logaddexp(lse_a, lse_b)
+    dtype = lse.dtype
+    out = out_a.to(dtype) * (lse_a - lse).exp()[..., None] + out_b.to(dtype) * (lse_b - lse).exp()[..., None]
+    return out.to(out_a.dtype), lse
+
+
+class _VisibleBlocks(torch.autograd.Function):
+    """`visible_attention` on the CPU's fused kernel: one autograd node for all query blocks of a layer.
+
+    ``build(*inputs) -> (keys, values)`` makes the ``[B', H', K, D]`` keys / values the blocks index (views or one
+    copy of ``inputs``). The forward keeps the queries, ``inputs``, the output and its log-normaliser; the backward
+    builds the keys again, rebuilds each block's pieces, runs the kernel's backward per piece against the merged
+    output and log-normaliser (exact gradients of the whole softmax), adds the key / value gradients of each block
+    into one buffer, and maps that buffer back to ``inputs`` once.
+    """
+
+    @staticmethod
+    def forward(ctx, query, build, layout, scaling, *inputs):
+        limit, query_pos, own_from, block = layout
+        with torch.no_grad():
+            keys, values = build(*inputs)
+        out, lse = query.new_empty(*query.shape[:-1], values.shape[-1]), None  # [B', Hq', T, Dv], [B', Hq', T]
+        for start, stop, pieces in _blocks(limit, query_pos, own_from, block, query.dtype):
+            parts = []
+            for piece in pieces:
+                parts.append(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+                    query[:, :, start:stop], piece.take(keys), piece.take(values), is_causal=piece.causal,
+                    attn_mask=piece.mask, scale=scaling,
+                ))  # fmt: skip
+            block_out, block_lse = _merge(parts)
+            if lse is None:
+                lse = block_lse.new_empty(query.shape[:-1])
+            out[:, :, start:stop], lse[:, :, start:stop] = block_out, block_lse
+        ctx.save_for_backward(query, out, lse, *inputs)
+        ctx.build, ctx.layout, ctx.scaling = build, layout, scaling  # the limits: integers, one length axis
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        query, out, lse, *inputs = ctx.saved_tensors
+        limit, query_pos, own_from, block = ctx.layout
+        needs = ctx.needs_input_grad[4:]
+        leaves = [x.detach().requires_grad_(need) for x, need in zip(inputs, needs, strict=True)]
+        with torch.enable_grad():
+            keys, values = ctx.build(*leaves)
+        grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
+        grad_query = torch.empty_like(query)
+        for start, stop, pieces in _blocks(limit, query_pos, own_from, block, query.dtype):
+            block_grad = grad_out[:, :, start:stop].contiguous()
+            block_query, block_out = query[:, :, start:stop], out[:, :, start:stop].contiguous()
+            block_lse = lse[:, :, start:stop].contiguous()
+            total = None
+            for piece in pieces:
+                dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
+                    block_grad, block_query, piece.take(keys.detach()), piece.take(values.detach()), block_out,
+                    block_lse, 0.0, piece.causal, attn_mask=piece.mask, scale=ctx.scaling,
+                )  # fmt: skip
+                total = dq if total is None else total + dq
+                piece.add_to(grad_keys, dk)
+                piece.add_to(grad_values, dv)
+            grad_query[:, :, start:stop] = total
+        wanted = [leaf for leaf in leaves if leaf.requires_grad]
+        grads = iter(torch.autograd.grad([keys, values], wanted, [grad_keys, grad_values], allow_unused=True))
+        rest = (next(grads) if leaf.requires_grad else None for leaf in leaves)
+        return (grad_query, None, None, None, *rest)
+
+
+def _as_built(key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
+    return key, value
+
+
+def visible_attention(
+    query: Tensor,
+    build: Callable[..., tuple[Tensor, Tensor]],
+    inputs: tuple[Tensor, ...],
+    limit: Tensor,
+    query_pos: Tensor,
+    own_from: int,
+    scaling: float,
+    block: int | None = None,
+) -> Tensor:
+    """Masked attention over query blocks, each attending only to the keys it can see, on the CPU's fused kernel.
+
+    Query ``t`` sees key column ``c < own_from`` iff ``query_pos[t] < limit[c]``, and its own-region key
+    ``own_from + u`` iff ``u <= t`` and ``query_pos[t] < limit[own_from + u]``. Per block of queries the keys are
+    split in two pieces whose softmaxes are merged through their log-normalisers: the earlier keys visible to the
+    whole block (the same number in every row: gathered, or a slice, with no mask), and the rest still alive at the
+    block's start plus the block's own keys (gathered, under a mask ``[B', 1, Bq, n + Bq]``, or plain causal). Keys
+    evicted before the block are not read at all, so a block costs about what its visible keys do.
+
+    Args:
+        query: ``[B', H_q', T, D]``.
+        build: ``build(*inputs) -> (keys [B', H', K, D], values [B', H', K, D])`` with ``K = own_from + T``.
+        inputs: The tensors ``build`` reads (the gradients reach them).
+        limit: ``[B', K]`` int, the first query position that no longer sees each key (`block_mask`).
+        query_pos: ``[B' or 1, T]`` int, the queries' logical positions, increasing.
+        own_from: The column of query 0's own key.
+        scaling: Softmax scaling.
+        block: Queries per block (default `VISIBLE_BLOCK`).
+
+    Returns:
+        ``[B', H_q', T, D]``.
+    """
+    layout = (limit, query_pos, own_from, block or VISIBLE_BLOCK)
+    return _VisibleBlocks.apply(query, build, layout, scaling, *inputs)

@@ -24,15 +24,16 @@ Attention per layer (SDPA path, any device; `lit_smd.kv.blocked`):
   the right padding from real queries); layers with a sliding window shorter than ``W`` or with softcap / sinks run
   in query blocks whose masks are computed per block;
 * slot queries with the slots in the batch: each slot's queries attend to ``[prompt keys | its own keys]`` in blocks
-  of queries ``[t0, t1)`` over ``W + t1`` columns, each block with a mask ``[R*S, 1 or H_kv, t1 - t0, W + t1]``
-  computed from the prompt lengths, the window and (shadow view) the eviction steps, and dropped after the block.
-  Under the shadow mask the KV heads are folded into the batch (``[R*S*H_kv, G, ., D]`` queries over
-  ``[R*S*H_kv, 1, ., D]`` keys), so a mask row serves the ``G`` query heads of its KV head without being repeated,
-  and each block attends only over the keys it can see (those evicted before the block starts are gathered out).
+  of queries ``[t0, t1)``, each block's visibility computed from the prompt lengths, the window and (shadow view)
+  the eviction steps, and dropped after the block. On the CPU's fused kernel (`lit_smd.kv.blocked.visible_attention`)
+  a block reads only the keys it can see and masks only the few that die within it; otherwise it runs over
+  ``W + t1`` columns with a mask ``[R*S, 1 or H_kv, t1 - t0, W + t1]``. Under the shadow mask the KV heads are
+  folded into the batch (``[R*S*H_kv, G, ., D]`` queries over ``[R*S*H_kv, 1, ., D]`` keys), so a mask row serves
+  the ``G`` query heads of its KV head without being repeated.
 
-Nothing grows with the square of any length: the memory of a block is bounded (`lit_smd.kv.blocked.BLOCK_ELEMENTS`),
-and under autograd every block is checkpointed, so its masks, per-slot key copies and scores are rebuilt in the
-backward pass instead of being kept. On CUDA the default backend is FlexAttention over the whole packed row with a
+Nothing grows with the square of any length: the memory of a block is bounded, and between forward and backward
+only the queries, keys, values and outputs are kept (the fused form rebuilds each block in its own backward; the
+other form checkpoints every block). On CUDA the default backend is FlexAttention over the whole packed row with a
 `BlockMask`, which skips fully masked blocks and applies no mask in fully visible ones.
 
 Reusing the prompt (the dense teacher of SMD): a pass built with ``capture_prompt_kv=True`` keeps every layer's prompt
@@ -56,6 +57,7 @@ from lit_smd.kv.blocked import (
     live_keys,
     over_query_blocks,
     query_block,
+    visible_attention,
 )
 from lit_smd.kv.features import PLAIN, AttentionFeatures, softmax_dtype
 from lit_smd.kv.flex import Backend, flex_feature_attention, packed_block_mask, use_flex
@@ -144,10 +146,9 @@ class PackedPlan:
         ``[R, H_kv, S*N, D]`` -> ``[R, H_q, S*N, D_v]``.
 
         Each slot is its own batch entry: its queries attend to ``[prompt keys | its own keys]``, so nothing grows
-        with the square of ``S*N``. The queries run in blocks (`lit_smd.kv.blocked`): block ``[t0, t1)`` of every
-        slot attends to ``W + t1`` columns, with a mask ``[R*S, 1 or H_kv, t1 - t0, W + t1]`` computed from the
-        prompt lengths, the window and (shadow view) the eviction steps, and dropped after the block. Under autograd
-        each block is checkpointed: its key copies, mask and scores are rebuilt in the backward pass.
+        with the square of ``S*N``. The queries run in blocks (`lit_smd.kv.blocked`): on the CPU's fused kernel
+        through `lit_smd.kv.blocked.visible_attention` over one ``[prompt | slot]`` copy of the keys per slot;
+        otherwise in `_slot_blocks`.
         """
         rows, q_heads, _, dim = query.shape
         kv_heads, width, slots, new = prompt_key.shape[1], self.prompt_width, self.num_slots, self.slot_width
@@ -176,6 +177,25 @@ class PackedPlan:
                 return joined.reshape(rows * slots * record, kv_heads // record, width + stop, -1)
             return joined.reshape(rows, slots * kv_heads, width + stop, -1)
 
+        inputs = (query, prompt_key, prompt_value, slot_key, slot_value)
+        if fused_blocks(query, slot_value.shape[-1], features, dropout):
+            def build(prompt_key, prompt_value, slot_key, slot_value):
+                return per_slot(prompt_key, slot_key, new), per_slot(prompt_value, slot_value, new)
+
+            query_pos = row_lengths[:, None] + torch.arange(new, device=device, dtype=torch.int32)  # [B', N]
+            out = visible_attention(queries, build, inputs[1:], limit, query_pos, width, scaling)
+        else:
+            out = self._slot_blocks(queries, inputs, limit, row_lengths, per_slot, scaling, dropout, features, sinks)
+        out = out.reshape(rows, slots, q_heads, new, out.shape[-1])
+        return out.transpose(1, 2).reshape(rows, q_heads, slots * new, out.shape[-1])
+
+    def _slot_blocks(self, queries, inputs, limit, row_lengths, per_slot, scaling, dropout, features, sinks):
+        """The slot queries in blocks of SDPA or explicit-softmax attention (layers with features, dropout, other
+        devices): block ``[t0, t1)`` of every slot attends to ``W + t1`` columns, with a mask ``[R*S, 1 or H_kv,
+        t1 - t0, W + t1]`` (in the shadow view over the keys alive at ``t0`` only), and under autograd each block is
+        checkpointed: its key copies, mask and scores are rebuilt in the backward pass."""
+        width, new, device, shadow = self.prompt_width, self.slot_width, queries.device, self.steps is not None
+
         def run(start: int, stop: int) -> torch.Tensor:
             query_pos = row_lengths[:, None] + torch.arange(start, stop, device=device, dtype=torch.int32)  # [B', Bq]
 
@@ -189,17 +209,12 @@ class PackedPlan:
                 return keys, values, query_pos, kept, causal_from
 
             return block_attention(
-                queries[:, :, start:stop], prepare, (prompt_key, prompt_value, slot_key, slot_value), scaling,
-                features, fused=fused, dropout=dropout, sinks=sinks,
+                queries[:, :, start:stop], prepare, inputs[1:], scaling, features, dropout=dropout, sinks=sinks
             )  # [R*S*Hkv, G, Bq, Dv] or [R, S*Hq, Bq, Dv]
 
         block = query_block(limit.shape[0], new, width + new)
-        inputs = (query, prompt_key, prompt_value, slot_key, slot_value)
         grad = torch.is_grad_enabled() and any(x.requires_grad for x in inputs)
-        fused = fused_blocks(query, slot_value.shape[-1], features, dropout)
-        out = over_query_blocks(run, new, block, recompute=grad and not fused)
-        out = out.reshape(rows, slots, q_heads, new, out.shape[-1])
-        return out.transpose(1, 2).reshape(rows, q_heads, slots * new, out.shape[-1])
+        return over_query_blocks(run, new, block, recompute=grad)
 
     def _key_limits(
         self, layer_idx: int, lengths: torch.Tensor, sliding_window: int | None, device: torch.device

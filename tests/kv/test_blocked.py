@@ -1,0 +1,140 @@
+"""`lit_smd.kv.blocked.visible_attention` against dense masked attention over the full boolean mask (float64)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import lit_smd.kv.blocked as blocked
+from lit_smd.kv.blocked import NEVER, visible_attention
+
+
+def _naive(query, key, value, limit, query_pos, own_from, scaling):
+    """SDPA with the whole ``[B', T, K]`` visibility: ``query_pos < limit``, own keys causal."""
+    length, columns = query.shape[2], key.shape[2]
+    visible = query_pos[:, :, None] < limit[:, None, :]  # [B', T, K]
+    own = torch.arange(columns)[None, :] - own_from  # [1, K]: the own-region index of each column, < 0 before it
+    visible = visible & ((own < 0) | (own <= torch.arange(length)[:, None]))[None]
+    group = query.shape[1] // key.shape[1]
+    return F.scaled_dot_product_attention(
+        query, key.repeat_interleave(group, 1), value.repeat_interleave(group, 1), attn_mask=visible[:, None],
+        scale=scaling,
+    )  # fmt: skip
+
+
+def _case(own_from, length, lifetimes, never_share, seed=0, rows=3, kv_heads=1, group=2, dim=8):
+    generator = torch.Generator().manual_seed(seed)
+    columns = own_from + length
+
+    def randn(*shape):
+        return torch.randn(*shape, generator=generator, dtype=torch.float64, requires_grad=True)
+
+    query, key, value = randn(rows, kv_heads * group, length, dim), randn(rows, kv_heads, columns, dim), randn(
+        rows, kv_heads, columns, dim
+    )
+    start = 7
+    query_pos = (torch.arange(length, dtype=torch.int32) + start)[None].expand(rows, -1).contiguous()
+    key_pos = torch.cat([torch.arange(own_from), torch.arange(length) + start])
+    limit = (key_pos[None] + torch.randint(1, lifetimes, (rows, columns), generator=generator)).to(torch.int32)
+    never = torch.rand(rows, columns, generator=generator) < never_share
+    limit = torch.where(never, torch.full_like(limit, NEVER), limit)
+    limit[:, :own_from] = torch.where(  # a few earlier keys dead before every query (prefill drops, padding)
+        torch.rand(rows, own_from, generator=generator) < 0.2, 0, limit[:, :own_from]
+    )
+    return query, key, value, limit, query_pos
+
+
+@pytest.mark.parametrize("own_from", [0, 5, 17])
+@pytest.mark.parametrize("block", [1, 4, 13, 64])
+@pytest.mark.parametrize("never_share", [0.0, 0.5, 1.0])
+def test_visible_attention_and_its_gradients_equal_the_full_mask(own_from, block, never_share):
+    """Gathered pieces without a mask, masked pieces with padded rows, slices and plain causal own keys (``never_share
+    = 1``: every key outlives every block) all give the full mask's output and Q / K / V gradients."""
+    query, key, value, limit, query_pos = _case(own_from, 50, 30, never_share, seed=block + own_from)
+    expected = _naive(query, key, value, limit, query_pos, own_from, 0.3)
+    out = visible_attention(query, lambda k, v: (k, v), (key, value), limit, query_pos, own_from, 0.3, block=block)
+    assert (out - expected).abs().max() <= 1e-12
+    grad_out = torch.randn_like(expected)
+    expected_grads = torch.autograd.grad(expected, (query, key, value), grad_out)
+    grads = torch.autograd.grad(out, (query, key, value), grad_out)
+    for name, grad, reference in zip("qkv", grads, expected_grads, strict=True):
+        assert (grad - reference).abs().max() <= 1e-12, name
+
+
+def test_visible_attention_pieces_cover_each_kind(monkeypatch):
+    """The case above meets every piece: a slice, a gather without mask, a masked gather, plain causal."""
+    kinds = set()
+    pieces = blocked._pieces
+
+    def spy(*args):
+        result = pieces(*args)
+        for piece in result:
+            kind = "causal" if piece.causal else "masked" if piece.mask is not None else "free"
+            kinds.add((kind, piece.index is not None))
+        return result
+
+    monkeypatch.setattr(blocked, "_pieces", spy)
+    for never_share in (0.5, 1.0):
+        query, key, value, limit, query_pos = _case(5, 50, 30, never_share)
+        if never_share == 1.0:
+            limit[:, :5] = NEVER
+        visible_attention(query, lambda k, v: (k, v), (key, value), limit, query_pos, 5, 0.3, block=8)
+    assert kinds >= {("free", False), ("free", True), ("masked", True), ("causal", False)}, kinds
+
+
+def test_visible_attention_reaches_the_inputs_through_build_and_heads():
+    """Several KV heads per row (one limit row serves them all) and keys built from the inputs (a per-slot copy):
+    the gradients reach the inputs through ``build``."""
+    query, key, value, limit, query_pos = _case(6, 40, 20, 0.4, kv_heads=2, group=3)
+    prompt_key, own_key = key[:, :, :6].detach().requires_grad_(), key[:, :, 6:].detach().requires_grad_()
+
+    def build(prompt, own, value):
+        return torch.cat([prompt, own], dim=2), value
+
+    inputs = (prompt_key, own_key, value)
+    out = visible_attention(query, build, inputs, limit, query_pos, 6, 0.25, block=7)
+    expected = _naive(query, torch.cat([prompt_key, own_key], dim=2), value, limit, query_pos, 6, 0.25)
+    assert (out - expected).abs().max() <= 1e-12
+    grad_out = torch.randn_like(expected)
+    wanted = (query, *inputs)
+    for grad, reference in zip(
+        torch.autograd.grad(out, wanted, grad_out), torch.autograd.grad(expected, wanted, grad_out), strict=True
+    ):
+        assert (grad - reference).abs().max() <= 1e-12
+
+
+def test_visible_attention_without_gradient_matches():
+    query, key, value, limit, query_pos = _case(9, 30, 12, 0.3)
+    with torch.no_grad():
+        out = visible_attention(query, lambda k, v: (k, v), (key, value), limit, query_pos, 9, 0.5, block=6)
+        expected = _naive(query, key, value, limit, query_pos, 9, 0.5)
+    assert not out.requires_grad
+    assert (out - expected).abs().max() <= 1e-12
+
+
+def test_visible_attention_halves_blocks_whose_mask_would_be_too_large(monkeypatch):
+    """Keys dying at random make the masked piece wide: blocks shrink until it fits `BLOCK_ELEMENTS` (not below
+    `MIN_BLOCK`), forward and backward walk the same blocks, and the result stays exact."""
+    monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 3 * 8 * 40)
+    monkeypatch.setattr(blocked, "MIN_BLOCK", 2)
+    sizes = []
+    walk = blocked._blocks
+
+    def spy(*args):
+        for start, stop, pieces in walk(*args):
+            sizes.append(stop - start)
+            yield start, stop, pieces
+
+    monkeypatch.setattr(blocked, "_blocks", spy)
+    query, key, value, limit, query_pos = _case(20, 60, 40, 0.2)
+    out = visible_attention(query, lambda k, v: (k, v), (key, value), limit, query_pos, 20, 0.3, block=32)
+    expected = _naive(query, key, value, limit, query_pos, 20, 0.3)
+    assert (out - expected).abs().max() <= 1e-12
+    forward_sizes = list(sizes)
+    assert sum(forward_sizes) == 60 and max(forward_sizes) < 32 and min(forward_sizes) >= 2, forward_sizes
+    grad_out = torch.randn_like(expected)
+    grads = torch.autograd.grad(out, (query, key, value), grad_out)
+    assert sizes[len(forward_sizes) :] == forward_sizes
+    for grad, reference in zip(grads, torch.autograd.grad(expected, (query, key, value), grad_out), strict=True):
+        assert (grad - reference).abs().max() <= 1e-12
