@@ -275,7 +275,9 @@ def test_paired_differences_resolve_only_intervals_that_exclude_zero(repro):
     assert lead["resolved"]
     assert not found[("naive", "sparse_rl")]["resolved"]  # differences -0.2, 0.05, 0.2
     text = smd.comparisons_table(list(found.values()))
-    assert "| 50% | snapkv | smd λ=0.1 − naive | 3 | +0.150 ± 0.124 | yes |" in text
+    # p of the paired t test: t = 0.15 / (0.05 / sqrt 3) = 5.196 at 2 dof, 1 - t / sqrt(2 + t^2) = 0.035; no Holm
+    # verdict before `mark_multiplicity`
+    assert "|  | 50% | snapkv | smd λ=0.1 − naive | compressed | 3 | +0.150 ± 0.124 | yes | 0.035 | - |" in text
     dense = {"compression": "0%", "selection": "-", "seeds": [0, 1, 2], "mode": "dense", "lambda": None,
              "acc_after": [0.6, 0.7, 0.8]}  # fmt: skip
     found = {(f["a"], f["b"]): f for f in smd.paired_differences([*rows, dense])}

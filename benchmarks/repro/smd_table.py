@@ -294,11 +294,11 @@ def calibration_table(initial: dict[str, dict[str, Any]], seeds: list[int], sett
 
     Per setting: accuracy (mean ± 95% t over seeds), pass@1 and greedy accuracy, mean completion length, the share that
     hit the length cap, the visible fraction of the keys, Sparse-RL's veto rate of the samples, and the length
-    distribution of the samples pooled over seeds (share of completions per length in tokens, EOS excluded).
+    distribution of the samples pooled over seeds (share of completions per length in tokens, EOS included).
     """
     lines = [
         "| served | seeds | acc | greedy acc (dense) | length | hit cap | visible keys | Sparse-RL veto "
-        "| length distribution (tokens: share) |",
+        "| length distribution (tokens incl. EOS: share) |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for selection, budget in [("dense", 1.0), *settings]:
@@ -368,10 +368,11 @@ def veto_table(results: dict[str, dict[str, Any]], initial: dict[str, dict[str, 
         lines.append(f"| {round((1 - budget) * 100)}% | {selection} | {policy} | " + " | ".join(cells)
                      + f" | {vetoed / total:.3f} |")  # fmt: skip
     header = (
-        "Sparse-RL's sequence veto against completion length (tokens, EOS excluded): the share of compressed samples "
-        "with some token whose pi_dense / mu < 1e-4 (the veto rule of `lit_smd.losses.sparse_rl_correction`, "
-        "pi_dense = the same weights scored densely), with the number of samples in brackets; held-out prompts, "
-        "pooled over seeds; 'before RL' = the warm-ups, the other rows = each trained policy served as trained.\n\n"
+        "Sparse-RL's sequence veto against completion length (tokens, EOS included: a walk of k hops that stops is "
+        "k + 1): the share of compressed samples with some token whose pi_dense / mu < 1e-4 (the veto rule of "
+        "`lit_smd.losses.sparse_rl_correction`, pi_dense = the same weights scored densely), with the number of "
+        "samples in brackets; held-out prompts, pooled over seeds; 'before RL' = the warm-ups, the other rows = each "
+        "trained policy served as trained.\n\n"
     )
     return header + "\n".join(lines) + "\n"
 
