@@ -38,8 +38,7 @@ from lit_smd.atomic import atomic_write_text  # noqa: E402
 TASK_FLAGS = {
     "walk": {"smd": ["--seeds", "0", "1", "2", "--steps", "80", "--selections", "snapkv", "random", "--lambdas", "0",
                      "0.1"],
-             "distill": ["--seeds", "0", "1", "2", "--distill-steps", "150", "--rl-steps", "30",
-                         "--rl-kinds", "dense"]},
+             "distill": ["--seeds", "0", "1", "2", "--distill-steps", "150", "--rl-steps", "30"]},
 }  # fmt: skip
 """Per task, the flags of its published run (explicit flags given to this script come after them and win): the free
 length task at the size that fits about two hours of 2 CPU cores (docs/results/walk/run_info.md)."""
