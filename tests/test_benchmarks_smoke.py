@@ -126,12 +126,8 @@ def test_long_context_benchmark(run_all, tmp_path):
     assert "log-log slope" in (tmp_path / "long_context.md").read_text()
 
 
-def test_long_context_synthetic_mask_follows_the_budget():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        bench = importlib.import_module("bench_long_context")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def test_long_context_synthetic_mask_follows_the_budget(run_all):
+    bench = importlib.import_module("bench_long_context")  # on the path while the run_all fixture holds it
     import torch
 
     from lit_smd.kv import NEVER
@@ -152,12 +148,8 @@ def test_long_context_synthetic_mask_follows_the_budget():
         assert bool((kept <= (query + 1) // 2).all())
 
 
-def test_long_context_slope_and_memory_guard():
-    sys.path.insert(0, str(BENCHMARKS))
-    try:
-        bench = importlib.import_module("bench_long_context")
-    finally:
-        sys.path.remove(str(BENCHMARKS))
+def test_long_context_slope_and_memory_guard(run_all):
+    bench = importlib.import_module("bench_long_context")  # on the path while the run_all fixture holds it
     assert bench.slope([(4096, 3.0 * 4096), (8192, 3.0 * 8192), (16384, 3.0 * 16384)]) == pytest.approx(1.0)
     assert bench.slope([(4096, 4096.0**2), (8192, 8192.0**2)]) == pytest.approx(2.0)
     assert bench.slope([(4096, 1.0)]) is None
