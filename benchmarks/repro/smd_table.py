@@ -307,12 +307,11 @@ def calibration_table(initial: dict[str, dict[str, Any]], seeds: list[int], sett
         if not found:
             continue
         counts: dict[int, int] = {}
-        vetoed = [0, 0]
         for result in found:
             for length, count in result.get("length_counts", {}).items():
                 counts[int(length)] = counts.get(int(length), 0) + count
-            for veto, total in result.get("veto_by_length", {}).values():
-                vetoed[0], vetoed[1] = vetoed[0] + veto, vetoed[1] + total
+        pooled = _pooled_veto(found).values()
+        vetoed = [sum(v for v, _ in pooled), sum(n for _, n in pooled)]
         total = sum(counts.values())
         spread = ", ".join(f"{k}: {v / total:.2f}" for k, v in sorted(counts.items())) if total else "-"
         name = "dense" if selection == "dense" else f"{selection} {round((1 - budget) * 100)}%"
