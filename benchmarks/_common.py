@@ -51,16 +51,6 @@ def apply_threads(threads: int | None, device: torch.device) -> None:
         torch.set_num_threads(threads)
 
 
-def allow_recompiles(limit: int = 64) -> None:
-    """Raise torch.compile's recompile limit: lit_smd's compiled FlexAttention is static-shape (one graph per
-    sequence length, dtype and head size), and a benchmark sweeping those would otherwise fall back to eager flex."""
-    import torch._dynamo
-
-    for name in ("recompile_limit", "cache_size_limit"):
-        if hasattr(torch._dynamo.config, name):
-            setattr(torch._dynamo.config, name, max(getattr(torch._dynamo.config, name), limit))
-
-
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)

@@ -377,6 +377,8 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
     pattern = None if spec["mode"] == "dense" else MaskPattern(**spec["pattern"])
     prompt_len, new_tokens = spec["prompt_len"], spec["new_tokens"]
     model = build_model(spec["model"], dtype, prompt_len + new_tokens, device)
+    if spec["gradient_checkpointing"]:  # what GRPOModule(gradient_checkpointing=True) enables
+        model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
     cfg = model_config(spec["model"])
     group = spec["num_samples"]
 
@@ -496,7 +498,8 @@ def cell_spec(args: argparse.Namespace, model: str, mode: str, layout: str, prom
         "model": model, "mode": mode, "layout": layout, "prompt_len": prompt_len, "new_tokens": new_tokens,
         "num_prompts": args.num_prompts, "num_samples": args.num_samples, "kl_coef": args.kl_coef,
         "chunk_size": args.chunk_size, "dtype": args.dtype, "device": args.device, "threads": args.threads,
-        "repeats": args.repeats, "pattern": vars(pattern), "kind": kind, "in_process": args.in_process, **extra,
+        "repeats": args.repeats, "pattern": vars(pattern), "kind": kind, "in_process": args.in_process,
+        "gradient_checkpointing": args.gradient_checkpointing, **extra,
     }  # fmt: skip
 
 
@@ -723,6 +726,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--issue-score-new-tokens", type=int, default=256)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     C.add_output_flags(parser)
+    parser.add_argument("--gradient-checkpointing", action="store_true",
+                        help="activation checkpointing per decoder layer, as GRPOModule(gradient_checkpointing=True)")
     C.add_threads_flag(parser, default=None)
     return parser
 
@@ -773,7 +778,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             text = (
                 calibration_text(calibration, pattern) + "\n\n"
                 f"GRPO learner step (forward + backward; smd adds the dense no-grad teacher and the KL, kl_coef "
-                f"{args.kl_coef}), {args.dtype}, {args.threads} torch thread(s). Peak = resident high-water mark "
+                f"{args.kl_coef}), {args.dtype}, {args.threads} torch thread(s)"
+                f"{', activation checkpointing per layer' if args.gradient_checkpointing else ''}. Peak = resident high-water mark "
                 f"rise of the step, {where}; time = median of {args.repeats} step(s). (x) = against dense of the same "
                 "length and layout, same run. Times on a shared CPU are indicative.\n\n"
                 + grid_tables(payload["results"], args)

@@ -306,8 +306,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.seq_lens = args.seq_lens or ([1024, 2048, 4096, 8192] if cuda else [1024, 2048])
     args.backends = args.backends or (["sdpa", "flex"] if cuda else ["sdpa"])
     args.repeats = args.repeats or (5 if cuda else 3)
-    if "flex" in args.backends:
-        C.allow_recompiles()
     env = C.environment(device)
     print(f"# Masked attention: shadow-masked learner pass vs plain SDPA\n\n{C.describe(env)}")
     print(

@@ -138,7 +138,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     device = C.resolve_device(args.device)
     C.apply_threads(args.threads, device)
-    C.allow_recompiles()
     env = C.environment(device)
     names = [DENSE if name == "none" else name for name in args.compressors]
     config = C.model_config(

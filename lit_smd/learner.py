@@ -18,8 +18,9 @@ the teacher-logit cache) scores it here, in one of two layouts:
 
 The passes run the decoder only (``model.get_decoder()``) and keep the final hidden states predicting each
 completion token (``[B, N, H]``), so losses project to the vocabulary in chunks (`lit_smd.losses`). `score` is the
-unchunked projection to log-probs. SMD's dense teacher, `dense_hidden_states`, reuses a shadow-view pass: its packed
-rows' prompt keys and values (kept, detached, with ``keep_prompt_kv=True``) serve the dense view unchanged, so only
+unchunked projection to log-probs. SMD's dense teacher, `dense_hidden_states`, reuses a shadow-view pass: the prompt
+keys and values of its rows whose prompt no eviction touched before the prompt ended (kept, detached, with
+``keep_prompt_kv=True``; packed rows, or every such row in the per-row layout) serve the dense view unchanged, so only
 the completion tokens run again, densely and without gradient.
 """
 
@@ -82,7 +83,8 @@ class LearnerPass:
     backend: Backend
     _packing: _Packing | None = None  # None: every row ran per row
     _prompt_hidden: Tensor | None = None  # [R, W, H] the packed prompts' hidden states, detached (keep_prompt_kv)
-    _fallback: Tensor | None = None  # [b'] rollout rows that ran per row beside the packing
+    _fallback: Tensor | None = None  # [b'] rollout rows that ran per row beside the packing, or whose prompt differs
+    _row_prompt_kv: dict[int, tuple[Tensor, Tensor]] | None = None  # per row: layer -> [B, Hkv, P_max, D] (kept)
 
 
 def learner_hidden_states(
@@ -104,7 +106,7 @@ def learner_hidden_states(
         layout: ``"shared_prefix"`` (each prompt encoded once per group; rows that cannot share fall back to the
             per-row pass) or ``"per_row"``.
         backend: Masked attention kernel: ``"sdpa"``, ``"flex"`` (CUDA, FlexAttention) or ``"auto"``.
-        keep_prompt_kv: Keep the packed prompts' keys / values so that `dense_hidden_states` reuses them.
+        keep_prompt_kv: Keep the prompts' keys / values (detached copies) so that `dense_hidden_states` reuses them.
 
     Returns:
         A `LearnerPass`; its ``hidden`` is ``[B, N, H]``, differentiable. Works under activation checkpointing; the
@@ -116,7 +118,7 @@ def learner_hidden_states(
     check_learner_layout(layout, "layout")
     ensure_attention(model)
     if layout == "per_row" or len(rollout) == 0:
-        return LearnerPass(_per_row_hidden_states(model, rollout, shadow=shadow, backend=backend), backend)
+        return _per_row_pass(model, rollout, shadow=shadow, backend=backend, keep_prompt_kv=keep_prompt_kv)
     shareable, group = shareable_groups(rollout, shadow=shadow)
     rows, fallback = shareable.nonzero().flatten(), (~shareable).nonzero().flatten()
     if rows.numel() == 0:
@@ -138,10 +140,12 @@ def dense_hidden_states(model: torch.nn.Module, rollout: Rollout, masked: Learne
         rollout: The rollout ``masked`` ran over.
         masked: A pass of `learner_hidden_states` (typically the shadow view). Its packed rows reuse the prompt keys
             / values it kept (``keep_prompt_kv=True``; the prompt's hidden states are the same in both views) and
-            run only their completions; other rows run the dense per-row pass. Without kept keys this is a plain
-            dense pass.
+            run only their completions; so do the rows of a per-row pass whose prompt no eviction touched before
+            the prompt ended. Other rows run the dense per-row pass. Without kept keys this is a plain dense pass.
     """
     packing = masked._packing
+    if packing is None and masked._row_prompt_kv:
+        return _dense_completions_per_row(model, rollout, masked)
     if packing is None:
         return _dense_rows_in_chunks(model, rollout, masked.backend)
     if not packing.plan.prompt_kv:
@@ -223,14 +227,73 @@ def _dense_rows_in_chunks(model: torch.nn.Module, rollout: Rollout, backend: Bac
     ])  # fmt: skip
 
 
-def _per_row_hidden_states(model: torch.nn.Module, rollout: Rollout, *, shadow: bool, backend: Backend) -> Tensor:
-    """``[B, N, H]`` hidden states (see `LearnerPass.hidden`) from one right-padded row per sample."""
+def _per_row_pass(
+    model: torch.nn.Module, rollout: Rollout, *, shadow: bool, backend: Backend, keep_prompt_kv: bool
+) -> LearnerPass:
+    """The per-row layout's `LearnerPass`; with ``keep_prompt_kv``, the rows' prompt keys / values kept for the dense
+    teacher, and the rows whose prompt the shadow view encodes differently from the dense one (``_fallback``)."""
+    if not keep_prompt_kv:
+        return LearnerPass(_per_row_hidden_states(model, rollout, shadow=shadow, backend=backend), backend)
+    shareable, _ = shareable_groups(rollout, shadow=shadow)
+    prompt_kv = {} if bool(shareable.any()) else None
+    hidden = _per_row_hidden_states(model, rollout, shadow=shadow, backend=backend, prompt_kv=prompt_kv)
+    fallback = (~shareable).nonzero().flatten()
+    return LearnerPass(hidden, backend, _fallback=fallback, _row_prompt_kv=prompt_kv)
+
+
+def _dense_completions_per_row(model: torch.nn.Module, rollout: Rollout, masked: LearnerPass) -> Tensor:
+    """`dense_hidden_states` of a per-row pass that kept its prompts' keys / values: the rows whose prompt is the
+    dense view's run only their completions over the kept keys (a one-slot `PackedPlan.for_slots` pass per chunk of
+    `TEACHER_TOKENS`), the others a dense per-row pass."""
+    fallback = masked._fallback
+    reused = torch.ones(len(rollout), dtype=torch.bool, device=fallback.device)
+    reused[fallback] = False
+    reused = reused.nonzero().flatten()  # [b]
+    device = rollout.completion_ids.device
+    num_new = rollout.completion_ids.shape[1]
+    new = max(1, int(rollout.completion_lengths[reused].max()))  # trailing all-pad columns predict nothing
+    chunk = max(1, TEACHER_TOKENS // new)
+    parts, order = [], [reused]
+    for start in range(0, len(reused), chunk):
+        rows = reused[start : start + chunk]  # [c]
+        lengths = rollout.prompt_lengths[rows]  # [c]
+        width = int(lengths.max())
+        kept = {layer: (keys[rows, :, :width], values[rows, :, :width])
+                for layer, (keys, values) in masked._row_prompt_kv.items()}  # fmt: skip
+        plan = PackedPlan(prompt_lengths=lengths, prompt_width=width, num_slots=1, slot_width=new, prompt_kv=kept)
+        positions = lengths[:, None] + torch.arange(new, device=device)[None, :]  # [c, n] logical positions
+        completions = _run_decoder(model, rollout.completion_ids[rows, :new], positions, plan.for_slots())  # [c, n, H]
+        # Completion token 0 is predicted by the last prompt token, whose state the masked pass computed densely.
+        hidden = torch.cat([masked.hidden[rows, :1].detach(), completions[:, : new - 1]], dim=1)  # [c, n, H]
+        parts.append(F.pad(hidden, (0, 0, 0, num_new - new)))
+    if fallback.numel():
+        parts.append(_dense_rows_in_chunks(model, rollout.select(fallback), masked.backend))
+        order.append(fallback)
+    inverse = torch.empty(len(rollout), dtype=torch.long, device=device)
+    inverse[torch.cat(order)] = torch.arange(len(rollout), device=device)
+    return torch.cat(parts)[inverse]
+
+
+def _per_row_hidden_states(
+    model: torch.nn.Module,
+    rollout: Rollout,
+    *,
+    shadow: bool,
+    backend: Backend,
+    prompt_kv: dict[int, tuple[Tensor, Tensor]] | None = None,
+) -> Tensor:
+    """``[B, N, H]`` hidden states (see `LearnerPass.hidden`) from one right-padded row per sample; each layer's keys
+    / values of the prompt columns ``[0, max prompt length)`` are copied into ``prompt_kv`` when one is given."""
     ids, lengths, prompt_lengths = _per_row_batch(rollout, pad_token_id=0)
     width = ids.shape[1]
     mask = rollout.shadow_mask if shadow else None
     if mask is not None and mask.length < width:
         mask = mask.padded_to(width)
-    plan = AttentionPlan(lengths=lengths, shadow=mask, backend=backend)
+    capture = 0 if prompt_kv is None else int(prompt_lengths.max())
+    plan = AttentionPlan(
+        lengths=lengths, shadow=mask, backend=backend, capture_prompt_width=capture,
+        prompt_kv={} if prompt_kv is None else prompt_kv,
+    )  # fmt: skip
     positions = torch.arange(width, device=ids.device)[None, :].expand(ids.shape[0], -1)
     hidden = model.get_decoder()(
         input_ids=ids, position_ids=positions, attention_plan=plan, use_cache=False

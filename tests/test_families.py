@@ -27,7 +27,7 @@ from transformers import AutoConfig, AutoModelForCausalLM
 
 from lit_smd.datamodules import ScoredRollout
 from lit_smd.kv import COMPRESSORS, H2O, PrefillThenDecode, SnapKV, ensure_attention
-from lit_smd.learner import learner_hidden_states, score
+from lit_smd.learner import LEARNER_LAYOUTS, dense_hidden_states, learner_hidden_states, score
 from lit_smd.losses.head import output_head
 from lit_smd.modules.distill import DistillModule
 from lit_smd.modules.grpo import GRPOModule
@@ -171,6 +171,24 @@ def test_replay_is_exact_under_every_compressor_and_the_dense_view_differs(model
         assert (packed - rollout.logprobs)[mask].abs().max() <= bound, f"{model_type} / {name}: shared-prefix replay"
         gaps[name] = float((dense - rollout.logprobs)[mask].abs().max())
     assert max(gaps.values()) > 1e-3, f"{model_type}: eviction never changed a log-prob ({gaps})"
+
+
+def test_dense_teacher_reusing_the_prompt_is_the_dense_view(model_type):
+    """SMD's dense teacher runs only the completions over the prompt keys / values the masked pass kept (both
+    layouts): the dense view's log-probs, at float64 precision."""
+    model = build(model_type)
+    rollout = sample(model, make_compressor("snapkv", budget=0.5), num_samples=2)  # prefill drops: prompts shared
+    mask = rollout.completion_mask
+    head = output_head(model)
+    with torch.no_grad():
+        dense = score(model, rollout, shadow=False)
+        for layout in LEARNER_LAYOUTS:
+            masked = learner_hidden_states(model, rollout, layout=layout, keep_prompt_kv=True)
+            assert masked._row_prompt_kv or masked._packing.plan.prompt_kv, f"{layout}: no prompt keys kept"
+            logits = head(dense_hidden_states(model, rollout, masked))  # [B, N, V]
+            teacher = torch.log_softmax(logits, -1).gather(-1, rollout.completion_ids[..., None])[..., 0]
+            gap = (teacher - dense)[mask].abs().max()
+            assert gap <= exact(model_type), f"{model_type} / {layout}: dense teacher vs dense view {gap:.2e}"
 
 
 def _trainer() -> L.Trainer:

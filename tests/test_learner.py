@@ -132,14 +132,24 @@ def test_minibatch_slices_and_dense_rollouts(model64):
     _assert_same(model, rollout.select(slice(1, 5)), False)  # a slice splitting both groups
 
 
-def test_dense_teacher_reuses_the_prompt_and_matches_a_dense_pass(model64, family):
+@pytest.mark.parametrize("layout", ["shared_prefix", "per_row"])
+def test_dense_teacher_reuses_the_prompt_and_matches_a_dense_pass(model64, family, layout, monkeypatch):
+    import lit_smd.learner as learner_module
+
     model = model64(family)
     rollout = _rollout(model)
-    rollout.shadow_mask.evict_steps[1, 4, -1, 0] = 5  # one row falls back to the per-row passes
-    learner = learner_hidden_states(model, rollout, shadow=True, keep_prompt_kv=True)
-    assert learner._packing.plan.prompt_kv, "the masked pass kept no prompt keys"
+    rollout.shadow_mask.evict_steps[1, 4, -1, 0] = 5  # row 4's prompt differs in the shadow view: a full dense pass
+    learner = learner_hidden_states(model, rollout, shadow=True, layout=layout, keep_prompt_kv=True)
+    kept = learner._packing.plan.prompt_kv if layout == "shared_prefix" else learner._row_prompt_kv
+    assert kept, "the masked pass kept no prompt keys"
+    full_rows = []
+    per_row = learner_module._per_row_hidden_states
+    spy = lambda model, rollout, **kwargs: full_rows.append(len(rollout)) or per_row(model, rollout, **kwargs)  # noqa: E731
+    monkeypatch.setattr(learner_module, "_per_row_hidden_states", spy)
     teacher = dense_hidden_states(model, rollout, learner)
+    assert full_rows == [1], "only the row whose prompt differs may run its prompt again"
     assert not teacher.requires_grad
+    monkeypatch.undo()
     expected = _per_row(model, rollout, False)
     valid = rollout.completion_mask[..., None]
     assert ((teacher - expected) * valid).abs().max() <= 1e-10
@@ -398,10 +408,16 @@ def test_kept_prompt_keys_and_hidden_states_hold_only_the_prompt(model64):
     rollout = _rollout(model)
     learner = learner_hidden_states(model, rollout, shadow=True, keep_prompt_kv=True)
     kept = [tensor for pair in learner._packing.plan.prompt_kv.values() for tensor in pair] + [learner._prompt_hidden]
+    per_row = learner_hidden_states(model, rollout, shadow=True, layout="per_row", keep_prompt_kv=True)
+    kept_per_row = [tensor for pair in per_row._row_prompt_kv.values() for tensor in pair]
     assert len(kept) == 2 * model.config.num_hidden_layers + 1
+    assert len(kept_per_row) == 2 * model.config.num_hidden_layers
     for tensor in kept:  # not a view into the packed row: the storage holds the prompt's columns only
         assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
         assert tensor.shape[-2] == learner._packing.plan.prompt_width
+    for tensor in kept_per_row:  # the longest prompt's columns, not the rows
+        assert tensor.untyped_storage().nbytes() == tensor.numel() * tensor.element_size()
+        assert tensor.shape[-2] == int(rollout.prompt_lengths.max()) < rollout.prompt_ids.shape[1] + NEW
 
 
 def test_score_projects_in_chunks_with_the_same_result(model64):

@@ -177,11 +177,16 @@ class AttentionPlan:
         shadow: The rollout's eviction record, or None for the dense (causal + padding) view.
         backend: ``"sdpa"`` (boolean mask, any device), ``"flex"`` (FlexAttention BlockMask, CUDA) or
             ``"auto"`` (flex on CUDA, sdpa elsewhere).
+        capture_prompt_width: With ``W > 0``, keep each layer's keys / values of columns ``[0, W)`` (detached copies)
+            in ``prompt_kv``, for a later pass over the completions only (SMD's dense teacher, `lit_smd.learner`).
+        prompt_kv: Layer index -> ``(keys [B, H_kv, W, D], values)``, filled by a capturing pass.
     """
 
     lengths: torch.Tensor
     shadow: ShadowMask | None = None
     backend: Backend = "auto"
+    capture_prompt_width: int = 0
+    prompt_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     _block_masks: dict[int | None, object] = field(default_factory=dict, repr=False)
 
     def attend(
@@ -193,6 +198,10 @@ class AttentionPlan:
         ``features`` (softcap, sinks; `lit_smd.kv.features`) apply on both backends.
         """
         width = query.shape[2]
+        if self.capture_prompt_width and layer_idx not in self.prompt_kv:  # not again in a checkpointed recompute
+            # Copies, not views: a view would keep the whole row's keys alive with the plan.
+            prompt = slice(0, self.capture_prompt_width)
+            self.prompt_kv[layer_idx] = (key[:, :, prompt].detach().clone(), value[:, :, prompt].detach().clone())
         if use_flex(self.backend, query.device, dropout):
             block_mask = self.block_mask(layer_idx, query.shape[1], width, sliding_window)
             out = flex_feature_attention(query, key, value, block_mask, scaling, features)  # [B, Hq, T, D]
