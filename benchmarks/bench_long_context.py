@@ -779,9 +779,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 calibration_text(calibration, pattern) + "\n\n"
                 f"GRPO learner step (forward + backward; smd adds the dense no-grad teacher and the KL, kl_coef "
                 f"{args.kl_coef}), {args.dtype}, {args.threads} torch thread(s)"
-                f"{', activation checkpointing per layer' if args.gradient_checkpointing else ''}. Peak = resident high-water mark "
-                f"rise of the step, {where}; time = median of {args.repeats} step(s). (x) = against dense of the same "
-                "length and layout, same run. Times on a shared CPU are indicative.\n\n"
+                f"{', activation checkpointing per layer' if args.gradient_checkpointing else ''}. "
+                f"Peak = resident high-water mark rise of the step, {where}; time = median of {args.repeats} "
+                "step(s). (x) = against dense of the same length and layout, same run. Times on a shared CPU are "
+                "indicative.\n\n"
                 + grid_tables(payload["results"], args)
             )
     except KeyboardInterrupt:

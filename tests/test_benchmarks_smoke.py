@@ -126,6 +126,26 @@ def test_long_context_benchmark(run_all, tmp_path):
     assert "log-log slope" in (tmp_path / "long_context.md").read_text()
 
 
+def test_long_context_runs_with_activation_checkpointing(run_all, tmp_path, monkeypatch):
+    bench = importlib.import_module("bench_long_context")  # on the path while the run_all fixture holds it
+    enabled = []
+    build = bench.build_model
+
+    def spy(*args, **kwargs):
+        model = build(*args, **kwargs)
+        enable = model.activation_checkpointing_enable
+        model.activation_checkpointing_enable = lambda **kw: enabled.append(kw) or enable(**kw)
+        return model
+
+    monkeypatch.setattr(bench, "build_model", spy)
+    out = tmp_path / "lc.json"
+    bench.main(["--quick", "--gradient-checkpointing", "--sweeps", "completion", "--lengths", "64", "--modes", "dense",
+                "smd", "--layouts", "per_row", "--json", str(out), "--markdown", str(tmp_path / "lc.md")])
+    results = json.loads(out.read_text())["results"]
+    assert [r["status"] for r in results] == ["ok", "ok"] and len(enabled) == 2
+    assert "activation checkpointing per layer" in (tmp_path / "lc.md").read_text()
+
+
 def test_long_context_synthetic_mask_follows_the_budget(run_all):
     bench = importlib.import_module("bench_long_context")  # on the path while the run_all fixture holds it
     import torch
