@@ -269,9 +269,7 @@ def _dense_completions_per_row(model: torch.nn.Module, rollout: Rollout, masked:
     if fallback.numel():
         parts.append(_dense_rows_in_chunks(model, rollout.select(fallback), masked.backend))
         order.append(fallback)
-    inverse = torch.empty(len(rollout), dtype=torch.long, device=device)
-    inverse[torch.cat(order)] = torch.arange(len(rollout), device=device)
-    return torch.cat(parts)[inverse]
+    return _in_rollout_order(parts, order)
 
 
 def _per_row_hidden_states(
@@ -415,6 +413,12 @@ def _assemble(
     if fallback.numel():
         parts.append(_per_row_hidden_states(model, rollout.select(fallback), shadow=shadow, backend=backend))
         order.append(fallback)
-    inverse = torch.empty(len(rollout), dtype=torch.long, device=packed.device)
-    inverse[torch.cat(order)] = torch.arange(len(rollout), device=packed.device)
+    return _in_rollout_order(parts, order)
+
+
+def _in_rollout_order(parts: list[Tensor], order: list[Tensor]) -> Tensor:
+    """``[B, ...]``: the rows of ``parts`` (each ``[b_i, ...]``) put back at the rollout rows ``order`` gives them."""
+    rows = torch.cat(order)  # [B], a permutation of the rollout's rows
+    inverse = torch.empty_like(rows)
+    inverse[rows] = torch.arange(len(rows), device=rows.device)
     return torch.cat(parts)[inverse]
