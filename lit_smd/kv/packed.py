@@ -122,7 +122,7 @@ class PackedPlan:
             out = self._attend_slots(layer_idx, query, prompt_keys, prompt_values, key, value, scaling, dropout,
                                      sliding_window, features)  # fmt: skip
             return out.transpose(1, 2).contiguous()
-        if self.capture_prompt_kv:
+        if self.capture_prompt_kv and layer_idx not in self.prompt_kv:  # not again in a checkpointed recompute
             # Copies, not views: a view of the packed row would keep the whole row's keys alive with the plan.
             self.prompt_kv[layer_idx] = (key[:, :, :width].detach().clone(), value[:, :, :width].detach().clone())
         if use_flex(self.backend, query.device, dropout):
