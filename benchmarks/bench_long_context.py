@@ -6,8 +6,9 @@ freed tensors go back to the OS) that builds the seeded model and the rollout, r
 measured step(s): the code of `lit_smd.modules.GRPOModule.training_step` on one on-policy batch, called through the
 same functions (`lit_smd.modules._grpo_smd.grpo_pass`, which runs `lit_smd.learner.learner_hidden_states`; the
 chunked log-prob head `lit_smd.losses.token_logprobs_and_entropy`; `lit_smd.losses.group_advantages` and
-`lit_smd.losses.policy_loss`; for ``smd`` the shadow-masked pass plus `lit_smd.modules._grpo_smd.smd_kl`, whose
-no-grad dense teacher is `lit_smd.learner.dense_hidden_states`), then ``loss.backward()``. No optimizer step.
+`lit_smd.losses.policy_loss`; for ``smd`` the shadow-masked pass plus `lit_smd.modules._grpo_smd.smd_logprobs_and_kl`,
+the log-probs fused with the KL to the no-grad dense teacher `lit_smd.learner.dense_hidden_states`), then
+``loss.backward()``. No optimizer step.
 
 - **peak MiB**: the resident high-water mark during the step (``VmHWM``, reset through ``/proc/self/clear_refs``)
   minus the resident size before it (model, rollout and inputs already built); on CUDA
@@ -82,7 +83,7 @@ from lit_smd.kv import NEVER, ShadowMask
 from lit_smd.learner import learner_hidden_states, score
 from lit_smd.losses import group_advantages, policy_loss, token_logprobs_and_entropy
 from lit_smd.losses.head import output_head
-from lit_smd.modules._grpo_smd import grpo_pass, smd_kl
+from lit_smd.modules._grpo_smd import grpo_pass, smd_logprobs_and_kl
 from lit_smd.rollout import Rollout, generate
 
 MODES = ("dense", "naive", "smd")
@@ -286,12 +287,14 @@ def grpo_learner_step(
     smd = mode == "smd"
     teacher = smd and kl_coef > 0
     learner = grpo_pass(policy, rollout, layout, shadow=smd, keep_prompt_kv=teacher)
-    logprobs, _ = token_logprobs_and_entropy(learner.hidden, output_head(policy), rollout.completion_ids,
-                                             chunk_size=chunk_size)  # fmt: skip
+    if teacher:
+        logprobs, _, kl = smd_logprobs_and_kl(policy, rollout, learner, rollout.completion_mask, temperature=1.0,
+                                              chunk_size=chunk_size)  # fmt: skip
+    else:
+        logprobs, _ = token_logprobs_and_entropy(learner.hidden, output_head(policy), rollout.completion_ids,
+                                                 chunk_size=chunk_size)  # fmt: skip
     loss = policy_loss(logprobs, logprobs.detach(), advantages, rollout.completion_mask, loss_type="grpo").loss
     if teacher:
-        kl = smd_kl(policy, rollout, rollout.completion_mask, layout=layout, stop_gradient="dense", temperature=1.0,
-                    chunk_size=chunk_size, masked=learner)  # fmt: skip
         loss = loss + kl_coef * kl.loss
     loss.backward()
     return loss.detach()

@@ -6,11 +6,13 @@ rollout, and keeps it close to the dense view ``pi_theta(. | x)`` of the same we
 all alive at once; both sides go through the policy's one `lit_smd.losses.head.OutputHead`).
 
 ``kl_stop_gradient="dense"`` (the project's objective): ``KL(sg[dense] || masked)``, the dense pass under ``no_grad``
-as the teacher and the masked pass as the student. With the shared-prefix layout the teacher reuses the masked pass's
-prompt keys and values (the prompt's hidden states are the same in both views) and runs only the completions
-(`lit_smd.learner.dense_hidden_states`). ``"masked"`` (the SMD README's variant): ``KL(dense || sg[masked])``, the
-reverse direction with the dense pass as the student, so the gradient flows into a second, dense pass. The SMD
-repository's code uses neither (a sampled-token hinge against rollout log-probs); it is not reproduced.
+as the teacher and the masked pass as the student. The teacher reuses the masked pass's prompt keys and values (the
+prompt's hidden states are the same in both views) and runs only the completions
+(`lit_smd.learner.dense_hidden_states`); in the training step the KL shares its vocabulary projections with the
+policy's log-probs (`smd_logprobs_and_kl`, `lit_smd.losses.logprobs.token_logprobs_and_kl`). ``"masked"`` (the SMD
+README's variant): ``KL(dense || sg[masked])``, the reverse direction with the dense pass as the student, so the
+gradient flows into a second, dense pass. The SMD repository's code uses neither (a sampled-token hinge against
+rollout log-probs); it is not reproduced.
 """
 
 from typing import Literal
@@ -24,6 +26,7 @@ from lit_smd.fsdp import is_sharded
 from lit_smd.learner import LearnerLayout, LearnerPass, dense_hidden_states, learner_hidden_states, shareable_groups
 from lit_smd.losses.head import output_head
 from lit_smd.losses.kl import KLOutput, chunked_token_kl
+from lit_smd.losses.logprobs import token_logprobs_and_kl
 from lit_smd.rollout import Rollout
 
 
@@ -93,3 +96,38 @@ def smd_kl(
     dense_hidden = grpo_pass(policy, rollout, layout, shadow=False).hidden  # [B, N, H]
     reverse = {"forward_weight": 0.0, "reverse_weight": 1.0}
     return chunked_token_kl(dense_hidden, head, masked_hidden.detach(), teacher_head=head, **reverse, **common)
+
+
+def smd_logprobs_and_kl(
+    policy: PreTrainedModel,
+    rollout: Rollout,
+    masked: LearnerPass,
+    mask: Tensor,
+    *,
+    temperature: float,
+    chunk_size: int,
+    phase_owner: object = None,
+) -> tuple[Tensor, Tensor, KLOutput]:
+    """The policy's log-probs and entropy of the masked pass and SMD's ``KL(sg[dense] || masked)``, in one chunked
+    pass over the vocabulary: ``token_logprobs_and_entropy(masked.hidden, ...)`` and ``smd_kl(...,
+    stop_gradient="dense")`` in value and gradient, two vocabulary projections per chunk fewer.
+
+    Args:
+        policy: The policy.
+        rollout: A compressed rollout (with a shadow mask).
+        masked: The shadow-view pass (``keep_prompt_kv=True`` for the dense teacher to reuse its prompt).
+        mask: ``[B, N]`` bool, the tokens the KL averages over.
+        temperature: Sampling temperature the logits are divided by.
+        chunk_size: Tokens per chunk of the vocabulary projection.
+        phase_owner: Whose ``phase_listeners`` hear the dense teacher pass as the ``"teacher"`` phase.
+
+    Returns:
+        ``(logprobs [B, N], entropy [B, N], KLOutput)``; the KL's ``forward_kl`` is its value.
+    """
+    head = output_head(policy)
+    with torch.no_grad(), report_phase(phase_owner, "teacher"):
+        dense_hidden = dense_hidden_states(policy, rollout, masked)  # [B, N, H]
+    return token_logprobs_and_kl(
+        masked.hidden, head, rollout.completion_ids, dense_hidden, head, temperature=temperature, mask=mask,
+        chunk_size=chunk_size,
+    )  # fmt: skip

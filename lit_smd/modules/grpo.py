@@ -130,7 +130,7 @@ from lit_smd.modules._grpo_metrics import (
     rollout_correction_metrics,
     synchronize,
 )
-from lit_smd.modules._grpo_smd import grpo_pass, smd_kl
+from lit_smd.modules._grpo_smd import grpo_pass, smd_kl, smd_logprobs_and_kl
 from lit_smd.rollout import Rollout
 
 __all__ = ["GRPOModule", "Mode"]
@@ -333,8 +333,14 @@ class GRPOModule(LightningModule):
         smd_teacher = self.mode == "smd" and self.kl_coef > 0
         keep_prompt_kv = smd_teacher and self.kl_stop_gradient == "dense"  # the dense teacher reuses the prompt
         learner = self._pass(self.policy, rollout, shadow=self.uses_shadow_view, keep_prompt_kv=keep_prompt_kv)
-        hidden = learner.hidden  # [B, N, H]
-        logprobs, entropy = self._token_logprobs(self.policy, hidden, rollout.completion_ids)  # [B, N], [B, N]
+        kl = None
+        if keep_prompt_kv:  # the log-probs and the KL share their vocabulary projections
+            logprobs, entropy, kl = smd_logprobs_and_kl(
+                self.policy, rollout, learner, batch.loss_mask, temperature=self.temperature,
+                chunk_size=self.logits_chunk_size, phase_owner=self,
+            )  # fmt: skip
+        else:
+            logprobs, entropy = self._token_logprobs(self.policy, learner.hidden, rollout.completion_ids)  # [B, N] x2
         # The learner's view before the update: on-policy, this very pass (so the first ratio is exactly 1).
         old_logprobs = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs  # [B, N]
         loss_mask, token_weights, metrics = batch.loss_mask, batch.token_weights, {}
@@ -353,7 +359,8 @@ class GRPOModule(LightningModule):
             loss_parts["train/kl_ref"] = out.kl
         metrics |= policy_metrics(out, entropy, rollout.completion_mask)
         if smd_teacher:
-            kl = self.smd_kl(rollout, batch.loss_mask, masked=learner)
+            if kl is None:  # kl_stop_gradient="masked": the dense pass is the student
+                kl = self.smd_kl(rollout, batch.loss_mask, masked=learner)
             loss = loss + self.kl_coef * kl.loss
             loss_parts["smd/kl"] = kl.loss
             metrics["smd/kl"] = kl.forward_kl if self.kl_stop_gradient == "dense" else kl.reverse_kl

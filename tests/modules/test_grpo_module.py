@@ -13,8 +13,10 @@ from lit_smd.datamodules.experience import Experience
 from lit_smd.datamodules.rollout import RolloutDataModule
 from lit_smd.kv import RecentWindow, SnapKV
 from lit_smd.learner import learner_hidden_states, score
-from lit_smd.losses.head import OutputHead
+from lit_smd.losses.grpo import policy_loss
+from lit_smd.losses.head import OutputHead, output_head
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
+from lit_smd.losses.rollout_correction import RolloutCorrection
 from lit_smd.losses.sparse_rl import sparse_rl_correction
 from lit_smd.modules.grpo import GRPOModule
 from lit_smd.rollout import Rollout, generate
@@ -213,6 +215,42 @@ def test_smd_kl_matches_a_full_logits_reference(peaky_model_factory, tokenizer, 
     torch.testing.assert_close(value, reference.detach(), rtol=1e-10, atol=1e-12)
     for chunked, param in zip(chunked_grads, policy.parameters(), strict=True):
         torch.testing.assert_close(chunked, param.grad, rtol=1e-8, atol=1e-10)
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.3])
+def test_smd_step_equals_the_policy_loss_plus_the_separately_computed_kl(peaky_model_factory, tokenizer, kl_coef):
+    """The step's fused log-probs + KL (`smd_logprobs_and_kl`) against `token_logprobs_and_entropy`, `policy_loss`
+    and `GRPOModule.smd_kl` run one by one: loss, entropy metric and every parameter's gradient."""
+    policy = peaky_model_factory()
+    rollout = sample(policy, tokenizer, RecentWindow(10, sinks=2), max_new_tokens=7)
+    module = GRPOModule(policy, mode="smd", compressor=RecentWindow(10, sinks=2), kl_coef=kl_coef, temperature=0.8,
+                        logits_chunk_size=5, rollout_correction=RolloutCorrection("none"))  # fmt: skip
+    rewards = torch.arange(len(rollout), dtype=torch.float64) % 3
+    experience = module.make_experience(ScoredRollout(rollout, rewards, num_generations=4))
+    experience.loss_mask[0, -2:] = False  # the KL averages over the loss mask, the entropy over the completion
+    logged = {}
+    module.log = lambda key, value, **kwargs: logged.__setitem__(key, value)
+    loss = module.training_step(experience, 0)
+    loss.backward()
+    fused = [p.grad.clone() for p in policy.parameters()]
+    policy.zero_grad()
+
+    hidden = learner_hidden_states(policy, rollout, shadow=True).hidden
+    logprobs, entropy = token_logprobs_and_entropy(hidden, output_head(policy), rollout.completion_ids,
+                                                   temperature=0.8, chunk_size=5)  # fmt: skip
+    reference = policy_loss(
+        logprobs, logprobs.detach(), experience.advantages, experience.loss_mask, epsilon=module.epsilon,
+        epsilon_high=module.epsilon_high, loss_type=module.loss_type,
+        max_completion_length=experience.max_completion_length, token_weights=experience.token_weights,
+    ).loss  # fmt: skip
+    if kl_coef:
+        reference = reference + kl_coef * module.smd_kl(rollout, experience.loss_mask).loss
+    reference.backward()
+    torch.testing.assert_close(loss.detach(), reference.detach(), rtol=1e-12, atol=1e-13)
+    mask = rollout.completion_mask
+    torch.testing.assert_close(logged["train/entropy"], entropy[mask].mean(), rtol=1e-12, atol=1e-13)
+    for got, param in zip(fused, policy.parameters(), strict=True):
+        torch.testing.assert_close(got, param.grad, rtol=1e-9, atol=1e-12)
 
 
 def test_chunked_token_logprobs_match_full_log_softmax(peaky_model_factory):

@@ -1,0 +1,101 @@
+"""`lit_smd.losses.logprobs`: chunked log-probs and the log-probs fused with a token KL, against autograd on
+materialised float64 logits."""
+
+import pytest
+import torch
+
+from lit_smd.losses.head import LogitTransform, OutputHead
+from lit_smd.losses.kl import chunked_token_kl, token_kl
+from lit_smd.losses.logprobs import token_logprobs_and_entropy, token_logprobs_and_kl
+
+SOFTCAP = LogitTransform(scale=0.5, softcap=2.0)
+
+
+def _inputs(seed: int, vocab: int = 11, hidden_size: int = 8, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(2, 7, hidden_size, dtype=dtype, generator=g, requires_grad=True)
+    weight = torch.randn(vocab, hidden_size, dtype=dtype, generator=g, requires_grad=True)
+    bias = torch.randn(vocab, dtype=dtype, generator=g, requires_grad=True)
+    ids = torch.randint(0, vocab, (2, 7), generator=g)
+    return hidden, weight, bias, ids
+
+
+def _logits(hidden, weight, bias, transform):
+    z = (hidden @ weight.T + (0 if bias is None else bias)) * transform.scale
+    return z if transform.softcap is None else torch.tanh(z / transform.softcap) * transform.softcap
+
+
+@pytest.mark.parametrize("transform", [LogitTransform(), SOFTCAP], ids=["plain", "softcap"])
+@pytest.mark.parametrize(("forward_weight", "reverse_weight"), [(1.0, 0.0), (0.0, 1.0), (0.3, 0.7)])
+def test_fused_logprobs_and_kl_equal_autograd_on_full_logits(transform, forward_weight, reverse_weight):
+    hidden, weight, bias, ids = _inputs(0)
+    teacher_hidden = _inputs(1)[0].detach()
+    mask = torch.rand(2, 7, generator=torch.Generator().manual_seed(2)) > 0.3
+    upstream = torch.randn(2, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(3))  # d loss / d logprob
+    head = OutputHead(weight, bias, transform)
+    logprobs, entropy, kl = token_logprobs_and_kl(
+        hidden, head, ids, teacher_hidden, head, forward_weight=forward_weight, reverse_weight=reverse_weight,
+        temperature=0.7, mask=mask, chunk_size=3,
+    )  # fmt: skip
+    student = _logits(hidden, weight, bias, transform)  # [2, 7, V]
+    teacher = _logits(teacher_hidden, weight, bias, transform).detach()  # [2, 7, V]
+    full = torch.log_softmax(student / 0.7, -1)
+    expected_logprobs = full.gather(-1, ids[..., None])[..., 0]
+    expected_kl = token_kl(student, teacher, forward_weight=forward_weight, reverse_weight=reverse_weight,
+                           temperature=0.7, mask=mask)  # fmt: skip
+    torch.testing.assert_close(logprobs, expected_logprobs, rtol=0, atol=1e-13)
+    torch.testing.assert_close(entropy, -(full.exp() * full).sum(-1).detach(), rtol=0, atol=1e-13)
+    torch.testing.assert_close(kl.loss, expected_kl, rtol=1e-12, atol=1e-14)
+    assert not entropy.requires_grad and not kl.forward_kl.requires_grad
+    # Both terms at once, with an arbitrary per-token upstream gradient (the policy loss's role).
+    params = (hidden, weight, bias)
+    ours = torch.autograd.grad((logprobs * upstream).sum() + 0.3 * kl.loss, params)
+    theirs = torch.autograd.grad((expected_logprobs * upstream).sum() + 0.3 * expected_kl, params)
+    for got, want in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_fused_equals_the_two_separate_passes():
+    hidden, weight, bias, ids = _inputs(4, vocab=23)
+    teacher_hidden = _inputs(5, vocab=23)[0].detach()
+    head = OutputHead(weight, bias)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1, 4:] = False
+    logprobs, entropy, kl = token_logprobs_and_kl(hidden, head, ids, teacher_hidden, head, mask=mask, chunk_size=4)
+    separate_logprobs, separate_entropy = token_logprobs_and_entropy(hidden, head, ids, chunk_size=4)
+    separate_kl = chunked_token_kl(hidden, head, teacher_hidden, teacher_head=head, mask=mask, chunk_size=4)
+    torch.testing.assert_close(logprobs, separate_logprobs, rtol=0, atol=1e-14)
+    torch.testing.assert_close(entropy, separate_entropy, rtol=0, atol=1e-14)
+    for ours, theirs in zip(kl, separate_kl, strict=True):
+        torch.testing.assert_close(ours, theirs, rtol=1e-13, atol=1e-15)
+    ours = torch.autograd.grad(logprobs.sum() - kl.loss, (hidden, weight, bias))
+    theirs = torch.autograd.grad(separate_logprobs.sum() - separate_kl.loss, (hidden, weight, bias))
+    for got, want in zip(ours, theirs, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-13)
+
+
+def test_logprobs_gradients_reach_only_what_requires_them_and_no_grad_saves_nothing():
+    hidden, weight, _, ids = _inputs(6)
+    frozen = weight.detach()  # a frozen head (LoRA): only the hidden states get a gradient
+    logprobs, _ = token_logprobs_and_entropy(hidden, OutputHead(frozen), ids, chunk_size=5)
+    (grad,) = torch.autograd.grad(logprobs.sum(), (hidden,))
+    expected = torch.log_softmax(hidden @ frozen.T, -1).gather(-1, ids[..., None]).sum()
+    torch.testing.assert_close(grad, torch.autograd.grad(expected, (hidden,))[0], rtol=1e-12, atol=1e-13)
+    with torch.no_grad():
+        logprobs, _ = token_logprobs_and_entropy(hidden, OutputHead(weight), ids, chunk_size=5)
+    assert logprobs.grad_fn is None
+
+
+def test_fused_logprobs_and_kl_check_their_arguments():
+    hidden, weight, _, ids = _inputs(7)
+    head = OutputHead(weight)
+    with pytest.raises(ValueError, match="teacher_head.weight"):
+        token_logprobs_and_kl(hidden, head, ids, hidden.detach(), OutputHead(torch.randn(11, 5, dtype=torch.float64)))
+    with pytest.raises(ValueError, match="vocabulary mismatch"):
+        token_logprobs_and_kl(hidden, head, ids, hidden.detach(), OutputHead(torch.randn(12, 8, dtype=torch.float64)))
+    with pytest.raises(ValueError, match="teacher_hidden must have shape"):
+        token_logprobs_and_kl(hidden, head, ids, hidden[:, :3].detach(), head)
+    with pytest.raises(ValueError, match="reverse_weight"):
+        token_logprobs_and_kl(hidden, head, ids, hidden.detach(), head, forward_weight=0.0)
+    with pytest.raises(ValueError, match="mask shape"):
+        token_logprobs_and_kl(hidden, head, ids, hidden.detach(), head, mask=torch.ones(2, 6, dtype=torch.bool))
