@@ -97,12 +97,7 @@ class ChunkedLinearLoss(torch.autograd.Function):
                 # d/dz = (d/ds) / tau for s = z / tau, and each row's loss weight; then through the logit transform.
                 grad_logits = grad_logits.mul_(row_weights[rows, None] / temperature)  # [C, V]
                 grad_logits = transform.backward_(grad_logits, logits).to(hidden.dtype)  # [C, V] d/d projection
-                if grad_hidden is not None:
-                    grad_hidden[rows] = mm(grad_logits, weight)  # [C, H]
-                if grad_weight is not None:
-                    addmm_(grad_weight, grad_logits.T, hidden_chunk)  # [V, H]
-                if grad_bias is not None:
-                    grad_bias += grad_logits.sum(0)  # [V]
+                push_through_head(grad_logits, hidden_chunk, weight, rows, (grad_hidden, grad_weight, grad_bias))
             del grad_logits, logits  # else they would live on beside the next chunk's logits
         ctx.save_for_backward(grad_hidden, grad_weight, grad_bias)
         stats = torch.cat(stats)  # [N, 3]
@@ -117,6 +112,24 @@ class ChunkedLinearLoss(torch.autograd.Function):
         # autograd's saved-tensor version check instead of silently double-scaling.
         grads = tuple(None if g is None else g.mul_(grad_loss.to(g.dtype)) for g in ctx.saved_tensors)
         return (*grads, None, None, None, None, None, None, None)
+
+
+def push_through_head(
+    grad: Tensor,
+    hidden_chunk: Tensor,
+    weight: Tensor,
+    rows: slice,
+    grads: tuple[Tensor | None, Tensor | None, Tensor | None],
+) -> None:
+    """Add a chunk's ``d loss / d projection`` ``[C, V]`` into the lm_head's gradient buffers ``(grad_hidden [N, H],
+    grad_weight [V, H], grad_bias [V])`` (None: not needed); ``rows`` is the chunk's slice of ``grad_hidden``."""
+    grad_hidden, grad_weight, grad_bias = grads
+    if grad_hidden is not None:
+        grad_hidden[rows] = mm(grad, weight)  # [C, H]
+    if grad_weight is not None:
+        addmm_(grad_weight, grad.T, hidden_chunk)  # [V, H]
+    if grad_bias is not None:
+        grad_bias += grad.sum(0)  # [V]
 
 
 def fused_linear_kl(

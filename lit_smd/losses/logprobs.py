@@ -35,13 +35,14 @@ from lit_smd.losses._fused_kl import (
     check_mask,
     denominator,
     kl_output,
+    push_through_head,
     rowdot,
     scaled_log_softmax,
     token_weights,
     transformed,
 )
 from lit_smd.losses.head import OutputHead
-from lit_smd.reduced_matmul import addmm_, linear, mm
+from lit_smd.reduced_matmul import linear
 
 __all__ = ["token_logprobs_and_entropy", "token_logprobs_and_kl"]
 
@@ -228,12 +229,7 @@ class ChunkedLogprobs(torch.autograd.Function):
             grad.scatter_add_(-1, ids[rows, None], g[:, None])  # + g onehot(id)
             grad = head.transform.backward_(grad.div_(temperature), logits).to(hidden.dtype)  # [C, V] d/d projection
             del logits
-            if grad_hidden is not None:
-                grad_hidden[rows] = mm(grad, weight)  # [C, H]
-            if grad_weight is not None:
-                addmm_(grad_weight, grad.T, hidden_chunk)  # [V, H]
-            if grad_bias is not None:
-                grad_bias += grad.sum(0)  # [V]
+            push_through_head(grad, hidden_chunk, weight, rows, (grad_hidden, grad_weight, grad_bias))
             del grad, log_q
         return grad_hidden, grad_weight, grad_bias, None, None, None, None, None, None
 
