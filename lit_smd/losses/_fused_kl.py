@@ -157,6 +157,43 @@ def fused_linear_kl(
     return kl_output(loss, stats, weights)
 
 
+def full_kl_rows(
+    log_q: Tensor, log_p: Tensor, forward_weight: float, reverse_weight: float, need_grad: bool
+) -> tuple[Tensor, Tensor, Tensor | None]:
+    """Closed-form per-row KL terms and their gradient wrt the scaled student logits, in place.
+
+    Args:
+        log_q: Student log-probs ``[C, V]``, an owned buffer (overwritten); finite, as from an lm_head.
+        log_p: Teacher log-probs ``[C, V]``, an owned buffer (overwritten); may hold ``-inf``.
+        forward_weight: Weight of ``KL(p || q)``.
+        reverse_weight: Weight of ``KL(q || p)``.
+        need_grad: Whether to return the gradient.
+
+    Returns:
+        Loss per row ``[C]``, stats per row ``[C, 3]`` (forward KL, reverse KL, student entropy), and the gradient of
+        the per-row loss wrt the scaled logits ``s = z / tau`` ``[C, V]`` (``None`` unless ``need_grad``). Three
+        ``[C, V]`` buffers are live at any time: the two inputs and ``q``.
+    """
+    log_p.clamp_(min=torch.finfo(log_p.dtype).min)  # zero-probability teacher entries contribute 0, not NaN
+    q = log_q.exp()  # [C, V]
+    entropy = -rowdot(q, log_q)  # [C]
+    log_ratio = torch.sub(log_p, log_q, out=log_q)  # [C, V] log(p / q), in log_q's buffer
+    p = log_p.exp_()  # [C, V] in log_p's buffer
+    forward_kl = rowdot(p, log_ratio)  # [C]
+    reverse_kl = -rowdot(q, log_ratio)  # [C]
+    loss_rows = forward_weight * forward_kl + reverse_weight * reverse_kl  # [C]
+    stats = torch.stack([forward_kl, reverse_kl, entropy], -1)  # [C, 3]
+    if not need_grad:
+        return loss_rows, stats, None
+    # w_f * (q - p) + w_r * q * (log(q/p) - RKL); skip the zero-weight term.
+    if not reverse_weight:
+        return loss_rows, stats, q.sub_(p).mul_(forward_weight)  # [C, V]
+    grad = log_ratio.add_(reverse_kl[:, None]).mul_(q).mul_(-reverse_weight)  # [C, V]
+    if forward_weight:
+        grad.add_(q.sub_(p), alpha=forward_weight)
+    return loss_rows, stats, grad
+
+
 def rowdot(a: Tensor, b: Tensor) -> Tensor:
     """Row-wise dot product ``[C, V] x [C, V] -> [C]`` without a ``[C, V]`` temporary (einsum lowers it to bmm)."""
     return torch.einsum("cv,cv->c", a, b)
@@ -178,6 +215,16 @@ def scaled_log_softmax(logits: Tensor, temperature: float, dtype: torch.dtype, o
     if temperature != 1.0:
         logits = logits.to(dtype, copy=not owned).div_(temperature)
     return torch.log_softmax(logits, -1, dtype=dtype)
+
+
+def head_log_softmax(
+    hidden: Tensor, weight: Tensor, bias: Tensor | None, transform: LogitTransform, temperature: float,
+    dtype: torch.dtype,
+) -> Tensor:
+    """``log_softmax(transform(hidden @ weight.T + bias) / tau)`` ``[C, V]`` of hidden rows ``[C, H]``, in ``dtype``,
+    as a new buffer (the teacher side of the fused KLs)."""
+    logits = transformed(linear(hidden, weight, bias), transform, dtype)  # [C, V]
+    return scaled_log_softmax(logits, temperature, dtype, owned=True)  # [C, V]
 
 
 def clamped_log_softmax(logits: Tensor) -> Tensor:

@@ -48,7 +48,6 @@ Departures
 
 import math
 
-import torch
 from torch import Tensor
 
 from lit_smd._deprecation import legacy_call
@@ -62,14 +61,13 @@ from lit_smd.losses._fused_kl import (
     clamped_log_softmax,
     compute_dtype,
     denominator,
+    full_kl_rows,
     fused_linear_kl,
-    rowdot,
+    head_log_softmax,
     scaled_log_softmax,
     token_weights,
-    transformed,
 )
 from lit_smd.losses.head import OutputHead
-from lit_smd.reduced_matmul import linear
 
 __all__ = ["KLOutput", "chunked_token_kl", "sampled_reverse_kl", "token_kl"]
 
@@ -187,11 +185,10 @@ def chunked_token_kl(
         if teacher_head is None:
             log_p = scaled_log_softmax(teacher_rows[rows], temperature, dtype, owned=False)  # [C, V]
         else:
-            teacher_logits = linear(teacher_rows[rows], teacher_weight, teacher_bias)  # [C, V]
-            teacher_logits = transformed(teacher_logits, teacher_head.transform, dtype)  # [C, V]
-            log_p = scaled_log_softmax(teacher_logits, temperature, dtype, owned=True)  # [C, V]
-            del teacher_logits
-        return _full_kl_rows(log_q, log_p, forward_weight, reverse_weight, need_grad)
+            log_p = head_log_softmax(
+                teacher_rows[rows], teacher_weight, teacher_bias, teacher_head.transform, temperature, dtype
+            )  # [C, V]
+        return full_kl_rows(log_q, log_p, forward_weight, reverse_weight, need_grad)
 
     return fused_linear_kl(student_hidden, head, rows_fn, dtype, temperature, mask, normalizer, chunk_size)
 
@@ -239,43 +236,6 @@ def sampled_reverse_kl(
     per_token = -reward * (log_q - log_q.detach()) - reward  # [B, T] value -r, gradient -r * grad log q
     weights = token_weights(mask, per_token.shape, dtype, per_token.device)  # [B, T]
     return reverse_weight * (per_token * weights).sum() / denominator(weights, None)
-
-
-def _full_kl_rows(
-    log_q: Tensor, log_p: Tensor, forward_weight: float, reverse_weight: float, need_grad: bool
-) -> tuple[Tensor, Tensor, Tensor | None]:
-    """Closed-form per-row KL terms and their gradient wrt the scaled student logits, in place.
-
-    Args:
-        log_q: Student log-probs ``[C, V]``, an owned buffer (overwritten); finite, as from an lm_head.
-        log_p: Teacher log-probs ``[C, V]``, an owned buffer (overwritten); may hold ``-inf``.
-        forward_weight: Weight of ``KL(p || q)``.
-        reverse_weight: Weight of ``KL(q || p)``.
-        need_grad: Whether to return the gradient.
-
-    Returns:
-        Loss per row ``[C]``, stats per row ``[C, 3]`` (forward KL, reverse KL, student entropy), and the gradient of
-        the per-row loss wrt the scaled logits ``s = z / tau`` ``[C, V]`` (``None`` unless ``need_grad``). Three
-        ``[C, V]`` buffers are live at any time: the two inputs and ``q``.
-    """
-    log_p.clamp_(min=torch.finfo(log_p.dtype).min)  # zero-probability teacher entries contribute 0, not NaN
-    q = log_q.exp()  # [C, V]
-    entropy = -rowdot(q, log_q)  # [C]
-    log_ratio = torch.sub(log_p, log_q, out=log_q)  # [C, V] log(p / q), in log_q's buffer
-    p = log_p.exp_()  # [C, V] in log_p's buffer
-    forward_kl = rowdot(p, log_ratio)  # [C]
-    reverse_kl = -rowdot(q, log_ratio)  # [C]
-    loss_rows = forward_weight * forward_kl + reverse_weight * reverse_kl  # [C]
-    stats = torch.stack([forward_kl, reverse_kl, entropy], -1)  # [C, 3]
-    if not need_grad:
-        return loss_rows, stats, None
-    # w_f * (q - p) + w_r * q * (log(q/p) - RKL); skip the zero-weight term.
-    if not reverse_weight:
-        return loss_rows, stats, q.sub_(p).mul_(forward_weight)  # [C, V]
-    grad = log_ratio.add_(reverse_kl[:, None]).mul_(q).mul_(-reverse_weight)  # [C, V]
-    if forward_weight:
-        grad.add_(q.sub_(p), alpha=forward_weight)
-    return loss_rows, stats, grad
 
 
 def _check_logits_pair(student_logits: Tensor, teacher_logits: Tensor) -> None:

@@ -33,7 +33,10 @@ from lit_smd.losses._fused_kl import (
     check_head,
     check_kl_args,
     check_mask,
+    compute_dtype,
     denominator,
+    full_kl_rows,
+    head_log_softmax,
     kl_output,
     push_through_head,
     rowdot,
@@ -78,7 +81,8 @@ def token_logprobs_and_entropy(
             ``temperature <= 0`` or ``chunk_size < 1``; the message names the argument.
     """
     _check_logprob_args(hidden, head, ids, temperature, chunk_size)
-    logprobs, entropy, _, _ = _apply(hidden, head, ids, None, temperature, chunk_size)
+    dtype = compute_dtype(hidden, head.weight)
+    logprobs, entropy, _, _ = _apply(hidden, head, ids, None, temperature, chunk_size, dtype)
     return logprobs.view(ids.shape), entropy.view(ids.shape)
 
 
@@ -136,14 +140,14 @@ def token_logprobs_and_kl(
             f"{tuple(ids.shape)}"
         )
     check_mask(mask, ids.shape)
-    dtype = _dtype(hidden, head, teacher_hidden)
+    dtype = compute_dtype(hidden, head.weight, teacher_hidden)
     weights = token_weights(mask, ids.shape, dtype, hidden.device).reshape(-1)  # [N]
     teacher = _Teacher(
         teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]), teacher_head.weight.detach(),
         None if teacher_head.bias is None else teacher_head.bias.detach(), teacher_head, forward_weight,
         reverse_weight, weights / denominator(weights, normalizer),
     )  # fmt: skip
-    logprobs, entropy, loss, stats = _apply(hidden, head, ids, teacher, temperature, chunk_size)
+    logprobs, entropy, loss, stats = _apply(hidden, head, ids, teacher, temperature, chunk_size, dtype)
     return logprobs.view(ids.shape), entropy.view(ids.shape), kl_output(loss, stats, weights)
 
 
@@ -192,7 +196,9 @@ class ChunkedLogprobs(torch.autograd.Function):
                 entropies.append(-rowdot(log_q.exp(), log_q))  # [C]
                 continue
             log_p = _teacher_log_p(teacher, rows, temperature, dtype)  # [C, V]
-            loss_rows, row_stats = _kl_rows(log_q, log_p, teacher.forward_weight, teacher.reverse_weight)  # [C], [C, 3]
+            loss_rows, row_stats, _ = full_kl_rows(
+                log_q, log_p, teacher.forward_weight, teacher.reverse_weight, need_grad=False
+            )  # [C], [C, 3]
             loss += teacher.row_weights[rows] @ loss_rows
             entropies.append(row_stats[:, 2])
             stats.append(row_stats)
@@ -235,9 +241,14 @@ class ChunkedLogprobs(torch.autograd.Function):
 
 
 def _apply(
-    hidden: Tensor, head: OutputHead, ids: Tensor, teacher: _Teacher | None, temperature: float, chunk_size: int
+    hidden: Tensor,
+    head: OutputHead,
+    ids: Tensor,
+    teacher: _Teacher | None,
+    temperature: float,
+    chunk_size: int,
+    dtype: torch.dtype,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    dtype = _dtype(hidden, head)
     rows = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     return ChunkedLogprobs.apply(rows, head.weight, head.bias, ids.reshape(-1), head, teacher, temperature,
                                  chunk_size, dtype)  # fmt: skip
@@ -255,21 +266,9 @@ def _student_log_q(
 
 
 def _teacher_log_p(teacher: _Teacher, rows: slice, temperature: float, dtype: torch.dtype) -> Tensor:
-    """The teacher's ``log softmax(z_T / tau)`` ``[C, V]`` of ``rows``, ``-inf`` clamped to the most negative finite
-    value (zero-probability entries then contribute 0, not NaN)."""
-    logits = transformed(linear(teacher.hidden[rows], teacher.weight, teacher.bias), teacher.head.transform, dtype)
-    return scaled_log_softmax(logits, temperature, dtype, owned=True).clamp_(min=torch.finfo(dtype).min)  # [C, V]
-
-
-def _kl_rows(log_q: Tensor, log_p: Tensor, forward_weight: float, reverse_weight: float) -> tuple[Tensor, Tensor]:
-    """Per-row loss ``w_f * FKL + w_r * RKL`` ``[C]`` and stats ``[C, 3]`` (forward KL, reverse KL, student entropy);
-    overwrites both inputs (three ``[C, V]`` buffers live, as in `lit_smd.losses.kl`)."""
-    q = log_q.exp()  # [C, V]
-    entropy = -rowdot(q, log_q)  # [C]
-    log_ratio = torch.sub(log_p, log_q, out=log_q)  # [C, V] log(p / q), in log_q's buffer
-    reverse_kl = -rowdot(q, log_ratio)  # [C]
-    forward_kl = rowdot(torch.exp(log_p, out=q), log_ratio)  # [C] p in q's buffer
-    return forward_weight * forward_kl + reverse_weight * reverse_kl, torch.stack([forward_kl, reverse_kl, entropy], -1)
+    """The teacher's ``log softmax(z_T / tau)`` ``[C, V]`` of ``rows``."""
+    return head_log_softmax(teacher.hidden[rows], teacher.weight, teacher.bias, teacher.head.transform, temperature,
+                            dtype)  # fmt: skip
 
 
 def _kl_grad(
@@ -277,7 +276,8 @@ def _kl_grad(
 ) -> Tensor:
     """``c * (w_f * (q - p) + w_r * q * (log(q / p) - RKL)) - g * q`` ``[C, V]``, the gradient with respect to the
     scaled logits of ``sum_i c_i * KL terms_i + g_i * log q_i`` without its one-hot part; in ``log_q``'s buffer
-    (``log_p``'s is overwritten)."""
+    (``log_p``'s is overwritten; its ``-inf`` clamped as in `full_kl_rows`)."""
+    log_p.clamp_(min=torch.finfo(log_p.dtype).min)
     q = log_q.exp()  # [C, V]
     grad = log_q.sub_(log_p)  # [C, V] log(q / p), in log_q's buffer
     if reverse_weight:
@@ -293,12 +293,6 @@ def _kl_grad(
 
 def _chunks(num_rows: int, chunk_size: int) -> list[slice]:
     return [slice(start, start + chunk_size) for start in range(0, num_rows, chunk_size)]
-
-
-def _dtype(*tensors: Tensor | OutputHead) -> torch.dtype:
-    """float64 if any input (or head weight) is float64, else float32."""
-    dtypes = [t.weight.dtype if isinstance(t, OutputHead) else t.dtype for t in tensors]
-    return torch.float64 if torch.float64 in dtypes else torch.float32
 
 
 def _check_logprob_args(hidden: Tensor, head: OutputHead, ids: Tensor, temperature: float, chunk_size: int) -> None:
