@@ -1,19 +1,21 @@
 """Long context: the GRPO learner step's peak memory and time over prompt and completion length, per mode and layout.
 
 One cell = one model, one sweep (long prompt with a short completion, or short prompt with a long completion), one
-length, one mode and one learner layout. Each cell runs in a **fresh subprocess** (``MALLOC_MMAP_THRESHOLD_=64K``, so
-freed tensors go back to the OS) that builds the seeded model and the rollout, runs a small warm-up step, then the
-measured step(s): the code of `lit_smd.modules.GRPOModule.training_step` on one on-policy batch, called through the
+length, one mode and one learner layout. Each cell runs in a **fresh subprocess** that builds the seeded model and the
+rollout, runs a small warm-up step, then the measured steps (one for memory, ``--repeats`` for time; see
+`use_allocator`): the code of `lit_smd.modules.GRPOModule.training_step` on one on-policy batch, called through the
 same functions (`lit_smd.modules._grpo_smd.grpo_pass`, which runs `lit_smd.learner.learner_hidden_states`; the
 chunked log-prob head `lit_smd.losses.token_logprobs_and_entropy`; `lit_smd.losses.group_advantages` and
 `lit_smd.losses.policy_loss`; for ``smd`` the shadow-masked pass plus `lit_smd.modules._grpo_smd.smd_logprobs_and_kl`,
 the log-probs fused with the KL to the no-grad dense teacher `lit_smd.learner.dense_hidden_states`), then
 ``loss.backward()``. No optimizer step.
 
-- **peak MiB**: the resident high-water mark during the step (``VmHWM``, reset through ``/proc/self/clear_refs``)
-  minus the resident size before it (model, rollout and inputs already built); on CUDA
-  ``torch.cuda.max_memory_allocated`` above ``memory_allocated`` before the step. The largest over the repeats.
-- **time**: wall time of the step, median over ``--repeats``.
+- **peak MiB**: the resident high-water mark during the memory step (``VmHWM``, reset through
+  ``/proc/self/clear_refs``) minus the resident size before it (model, rollout and inputs already built), under
+  glibc's 64 KiB mmap threshold (freed tensors go back to the OS); on CUDA ``torch.cuda.max_memory_allocated`` above
+  ``memory_allocated`` before the step.
+- **time**: wall time of the step, median over ``--repeats`` further steps under glibc's allocator as a training
+  process has it (32 MiB threshold: the 64 KiB one's page faults would tax block-heavy code, SMD's most).
 - Ratios are against ``dense`` of the same model, sweep, length and layout, measured in the same run.
 - **slope**: least-squares slope of log(peak) against log(length) over the lengths measured within
   ``--slope-range`` (default 4k..32k), per model, sweep, mode and layout (1 = linear, 2 = quadratic).
@@ -318,16 +320,33 @@ def _proc_kib(field: str, pid: int | str = "self") -> int:
     raise RuntimeError(f"{field} not in /proc/{pid}/status")
 
 
-def release_freed_memory() -> None:
-    """What ``MALLOC_MMAP_THRESHOLD_=64K`` does for the workers, for this process (glibc): blocks of 64 KiB and more
-    get their own mappings, so freed tensors leave the resident size and one cell's peak does not hide in the next's
-    free lists."""
+M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
+MEMORY_MMAP_THRESHOLD = 64 * 1024
+TIMING_MMAP_THRESHOLD = 32 * 2**20  # glibc's dynamic threshold at its 64-bit maximum (DEFAULT_MMAP_THRESHOLD_MAX)
+
+
+def use_allocator(purpose: str) -> None:
+    """Set glibc's allocator (CPU; a no-op elsewhere) for a ``"memory"`` or a ``"timing"`` step.
+
+    ``"memory"``: blocks of 64 KiB and more get their own mappings and the heap's free pages are trimmed, so freed
+    tensors leave the resident size and the high-water mark's rise is what the step itself held (one cell's peak does
+    not hide in earlier free lists). ``"timing"``: blocks below 32 MiB reuse the heap, as in a training process under
+    glibc's default (dynamic) threshold once it has grown; under the 64 KiB threshold every mid-size buffer costs an
+    ``mmap``, page faults and an ``munmap``, which taxes code with many block-sized buffers (SMD's blocked attention:
+    1.8x dense instead of 1.25x on the tiny model at 2k per row) with costs a training run does not pay.
+    """
     try:
         import ctypes
 
-        ctypes.CDLL("libc.so.6").mallopt(-3, 65536)  # M_MMAP_THRESHOLD
+        libc = ctypes.CDLL("libc.so.6")
     except OSError:
-        pass
+        return
+    if purpose == "memory":
+        libc.mallopt(M_MMAP_THRESHOLD, MEMORY_MMAP_THRESHOLD)
+        libc.malloc_trim(0)
+    else:
+        libc.mallopt(M_MMAP_THRESHOLD, TIMING_MMAP_THRESHOLD)
+        libc.mallopt(M_TRIM_THRESHOLD, 2 * TIMING_MMAP_THRESHOLD)
 
 
 def mem_available() -> int:
@@ -408,19 +427,23 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
         rollout = make(prompt_len, new_tokens)
     visible = visible_fraction(rollout)
     probe = Probe(device)
-    peaks, times, bases = [], [], []
+    allocator = use_allocator if spec["set_allocator"] else (lambda purpose: None)
+    allocator("memory")  # the peak: one step whose freed blocks leave the resident size
+    probe.start()
+    base = probe.base
+    step(rollout)
+    peak = probe.rise()
+    allocator("timing")  # the times: the allocator a training run has
+    times = []
     for _ in range(spec["repeats"]):
-        probe.start()
-        bases.append(probe.base)
         C.synchronize(device)
         start = time.perf_counter()
         step(rollout)
         C.synchronize(device)
         times.append(time.perf_counter() - start)
-        peaks.append(probe.rise())
     return {
-        "peak_bytes": max(peaks), "median_s": statistics.median(times), "times_s": times, "peaks_bytes": peaks,
-        "visible": visible, "base_bytes": max(bases),  # resident (CPU) or allocated (CUDA) before the step
+        "peak_bytes": peak, "median_s": statistics.median(times), "times_s": times, "visible": visible,
+        "base_bytes": base,  # resident (CPU) or allocated (CUDA) before the memory step
     }  # fmt: skip
 
 
@@ -435,9 +458,8 @@ def run_worker(spec: dict[str, Any], limit_bytes: int, max_seconds: float) -> di
     """
     if spec.get("in_process"):
         return {"status": "ok", **run_cell(spec)}
-    env = dict(os.environ, MALLOC_MMAP_THRESHOLD_="65536")
     command = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
-    proc = subprocess.Popen(command, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     verdict: dict[str, Any] = {}
 
     def watch() -> None:
@@ -502,7 +524,9 @@ def cell_spec(args: argparse.Namespace, model: str, mode: str, layout: str, prom
         "num_prompts": args.num_prompts, "num_samples": args.num_samples, "kl_coef": args.kl_coef,
         "chunk_size": args.chunk_size, "dtype": args.dtype, "device": args.device, "threads": args.threads,
         "repeats": args.repeats, "pattern": vars(pattern), "kind": kind, "in_process": args.in_process,
-        "gradient_checkpointing": args.gradient_checkpointing, **extra,
+        "gradient_checkpointing": args.gradient_checkpointing,
+        "set_allocator": not args.quick,  # (not in a smoke run, which may share its process with tests)
+        **extra,
     }  # fmt: skip
 
 
@@ -749,8 +773,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                       "--issue-score-new-tokens", "16"] + argv)  # fmt: skip
     if args.threads is None:  # the issue's table was measured with 2 threads; the grid uses the benchmarks' 1
         args.threads = 2 if args.issue_table else 1
-    if args.in_process and not args.quick:  # (not in a smoke run, which may share its process with tests)
-        release_freed_memory()
     if args.num_samples < 2:
         raise SystemExit(f"--num-samples must be >= 2 (a GRPO group), got {args.num_samples}")
     device = C.resolve_device(args.device)
@@ -760,7 +782,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     title = "# Long context: " + ("issue #28's table" if args.issue_table else "the GRPO learner step over length")
     where = "one fresh subprocess per cell"
     if args.in_process:
-        where = "every cell in this process" + ("" if args.quick else " (--in-process; glibc mmap threshold 64 KiB)")
+        where = "every cell in this process" + ("" if args.quick else " (--in-process)")
     print(f"{title}\n\n{C.describe(env)}; {where}\n", flush=True)
     try:
         if args.issue_table:
@@ -783,8 +805,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"GRPO learner step (forward + backward; smd adds the dense no-grad teacher and the KL, kl_coef "
                 f"{args.kl_coef}), {args.dtype}, {args.threads} torch thread(s)"
                 f"{', activation checkpointing per layer' if args.gradient_checkpointing else ''}. "
-                f"Peak = resident high-water mark rise of the step, {where}; time = median of {args.repeats} "
-                "step(s). (x) = against dense of the same length and layout, same run. Times on a shared CPU are "
+                f"Peak = resident high-water mark rise of one step (glibc mmap threshold 64 KiB), {where}; time = "
+                f"median of {args.repeats} further step(s) (threshold 32 MiB, as a training process has it). "
+                "(x) = against dense of the same length and layout, same run. Times on a shared CPU are "
                 "indicative.\n\n"
                 + grid_tables(payload["results"], args)
             )
