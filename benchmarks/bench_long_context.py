@@ -16,7 +16,11 @@ the log-probs fused with the KL to the no-grad dense teacher `lit_smd.learner.de
   ``memory_allocated`` before the step.
 - **time**: wall time of the step, median over ``--repeats`` further steps under glibc's allocator as a training
   process has it (32 MiB threshold: the 64 KiB one's page faults would tax block-heavy code, SMD's most).
-- Ratios are against ``dense`` of the same model, sweep, length and layout, measured in the same run.
+- Ratios are against ``dense`` of the same model, sweep, length and layout, measured in the same run. With
+  ``--rounds R`` each cell runs in R workers, the modes taking turns (the order reversed every other round): the time
+  is the median of the rounds' medians, the ratio the median of each round's ratio to dense's round beside it, shown
+  with the range over the rounds. On a shared CPU one process can run 30% slower than the next for the same step, so
+  a single round's ratio can be off by that much; the range says how far.
 - **slope**: least-squares slope of log(peak) against log(length) over the lengths measured within
   ``--slope-range`` (default 4k..32k), per model, sweep, mode and layout (1 = linear, 2 = quadratic).
 
@@ -536,34 +540,63 @@ def memory_limit(args: argparse.Namespace) -> int:
     return min(int(args.memory_limit_gib * GIB), free) if args.memory_limit_gib else free
 
 
+def merge_rounds(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """One cell from its rounds' worker results: the first failure if any; else the largest peak, every timed step,
+    each round's median (``round_median_s``) and their median (``median_s``)."""
+    failed = next((r for r in results if r["status"] != "ok"), None)
+    if failed is not None:
+        return failed
+    medians = [r["median_s"] for r in results]
+    return {
+        "status": "ok", "peak_bytes": max(r["peak_bytes"] for r in results), "median_s": statistics.median(medians),
+        "round_median_s": medians, "times_s": [t for r in results for t in r["times_s"]],
+        "visible": results[0]["visible"], "base_bytes": max(r["base_bytes"] for r in results),
+    }  # fmt: skip
+
+
 def run_grid(args: argparse.Namespace, pattern: MaskPattern, payload: dict[str, Any]) -> None:
+    """Every cell of the grid; per length and layout the modes' workers take turns for ``--rounds`` rounds (the order
+    reversed every other round), so that each mode's round ``i`` ran beside dense's: their ratio is a pair measured
+    under the same load."""
     for model in args.models:
         for sweep in args.sweeps:
             series: dict[tuple[str, str], list[dict[str, Any]]] = {}
             for length in args.lengths:
                 prompt_len, new_tokens = (length, args.short) if sweep == "prompt" else (args.short, length)
                 for layout in args.layouts:
+                    rounds: dict[str, list[dict[str, Any]]] = {}
+                    predictions: dict[str, tuple[int | None, int]] = {}
+                    for turn in range(args.rounds):
+                        for mode in args.modes if turn % 2 == 0 else args.modes[::-1]:
+                            history = series.setdefault((mode, layout), [])
+                            done = rounds.setdefault(mode, [])
+                            if done and done[-1]["status"] != "ok":
+                                continue
+                            limit = memory_limit(args)
+                            predicted = predict_peak(history, length)
+                            predictions.setdefault(mode, (predicted, limit))
+                            stopped = next((r for r in history if r["status"] != "ok"), None)
+                            if stopped is not None:
+                                word = stopped["status"].split(":")[0]
+                                result = {"status": f"skipped: series stopped at {stopped['length']} ({word})"}
+                            elif predicted is not None and predicted > limit:
+                                result = {"status": f"skipped: predicted {predicted / GIB:.1f} GiB > "
+                                                    f"{limit / GIB:.1f}"}  # fmt: skip
+                            else:
+                                spec = cell_spec(args, model, mode, layout, prompt_len, new_tokens, pattern)
+                                result = run_worker(spec, limit, args.max_seconds)
+                            done.append(result)
+                            print(f"  {model} {sweep} {length} {layout} {mode} (round {turn + 1}/{args.rounds}): "
+                                  f"{_cell(result)}", file=sys.stderr, flush=True)  # fmt: skip
                     for mode in args.modes:
-                        history = series.setdefault((mode, layout), [])
+                        predicted, limit = predictions[mode]
                         row = {"model": model, "sweep": sweep, "length": length, "prompt_len": prompt_len,
-                               "new_tokens": new_tokens, "mode": mode, "layout": layout}  # fmt: skip
-                        limit = memory_limit(args)
-                        predicted = predict_peak(history, length)
-                        stopped = next((r for r in history if r["status"] != "ok"), None)
-                        if stopped is not None:
-                            word = stopped["status"].split(":")[0]
-                            result = {"status": f"skipped: series stopped at {stopped['length']} ({word})"}
-                        elif predicted is not None and predicted > limit:
-                            result = {"status": f"skipped: predicted {predicted / GIB:.1f} GiB > {limit / GIB:.1f}"}
-                        else:
-                            spec = cell_spec(args, model, mode, layout, prompt_len, new_tokens, pattern)
-                            result = run_worker(spec, limit, args.max_seconds)
-                        row.update(result, predicted_bytes=predicted, limit_bytes=limit)
-                        history.append(row)
+                               "new_tokens": new_tokens, "mode": mode, "layout": layout,
+                               **merge_rounds(rounds[mode]), "predicted_bytes": predicted,
+                               "limit_bytes": limit}  # fmt: skip
+                        series[(mode, layout)].append(row)
                         payload["results"].append(row)
-                        C.write_json(args.json, payload)
-                        print(f"  {model} {sweep} {length} {layout} {mode}: {_cell(row)}", file=sys.stderr,
-                              flush=True)  # fmt: skip
+                    C.write_json(args.json, payload)
 
 
 # ------------------------------------------------------------------------------------------------------ tables
@@ -578,7 +611,12 @@ def _cell(row: dict[str, Any] | None, dense: dict[str, Any] | None = None, what:
     if dense is not None and dense.get("status") == "ok" and dense is not row:
         if dense["peak_bytes"] >= 2**20:  # below a MiB the RSS rise is page noise
             memory += f" ({row['peak_bytes'] / dense['peak_bytes']:.2f}x)"
-        seconds += f" ({row['median_s'] / dense['median_s']:.2f}x)"
+        mine, theirs = row.get("round_median_s", []), dense.get("round_median_s", [])
+        if len(mine) >= 2 and len(mine) == len(theirs):  # each round's ratio to dense's beside it: median, range
+            ratios = sorted(a / b for a, b in zip(mine, theirs, strict=True))
+            seconds += f" ({statistics.median(ratios):.2f}x; rounds {ratios[0]:.2f}-{ratios[-1]:.2f}x)"
+        else:
+            seconds += f" ({row['median_s'] / dense['median_s']:.2f}x)"
     return {"memory": memory, "time": seconds, "both": f"{memory}, {seconds}"}[what]
 
 
@@ -727,7 +765,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kl-coef", type=float, default=0.1, help="SMD's lambda")
     parser.add_argument("--chunk-size", type=int, default=1024, help="logits_chunk_size of the head and the KL")
     parser.add_argument("--dtype", choices=list(C.DTYPES), default="float32")
-    parser.add_argument("--repeats", type=int, default=1, help="measured steps per cell (after a small warm-up)")
+    parser.add_argument("--repeats", type=int, default=1, help="timed steps per worker (after the warm-up and the "
+                        "memory step)")
+    parser.add_argument("--rounds", type=int, default=1, help="workers per cell, the modes taking turns: each mode's "
+                        "time ratio is then the median of its rounds' ratios to dense's, with their range")
     parser.add_argument("--max-seconds", type=float, default=600.0, help="wall limit of one cell's worker")
     parser.add_argument("--memory-limit-gib", type=float, default=None,
                         help="a worker's resident limit (default: MemAvailable minus the margin, read per cell)")
@@ -773,6 +814,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                                                       "--issue-score-new-tokens", "16"] + argv)  # fmt: skip
     if args.threads is None:  # the issue's table was measured with 2 threads; the grid uses the benchmarks' 1
         args.threads = 2 if args.issue_table else 1
+    if args.rounds < 1 or args.repeats < 1:
+        raise SystemExit(f"--rounds and --repeats must be >= 1, got {args.rounds} and {args.repeats}")
     if args.num_samples < 2:
         raise SystemExit(f"--num-samples must be >= 2 (a GRPO group), got {args.num_samples}")
     device = C.resolve_device(args.device)
@@ -806,9 +849,13 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{args.kl_coef}), {args.dtype}, {args.threads} torch thread(s)"
                 f"{', activation checkpointing per layer' if args.gradient_checkpointing else ''}. "
                 f"Peak = resident high-water mark rise of one step (glibc mmap threshold 64 KiB), {where}; time = "
-                f"median of {args.repeats} further step(s) (threshold 32 MiB, as a training process has it). "
-                "(x) = against dense of the same length and layout, same run. Times on a shared CPU are "
-                "indicative.\n\n"
+                f"median of {args.repeats} further step(s) (threshold 32 MiB, as a training process has it)"
+                + (f", median over {args.rounds} rounds of fresh workers, the modes taking turns" if args.rounds > 1
+                   else "")
+                + ". (x) = against dense of the same length and layout, same run"
+                + ("; with the range of the rounds' ratios (each round's to dense's beside it)" if args.rounds > 1
+                   else "")
+                + ". Times on a shared CPU are indicative.\n\n"
                 + grid_tables(payload["results"], args)
             )
     except KeyboardInterrupt:

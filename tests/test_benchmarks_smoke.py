@@ -181,3 +181,27 @@ def test_long_context_slope_and_memory_guard(run_all):
     assert bench.predict_peak(history, 4000) == 100 + 40  # linear from the last two
     history.append({**ok, "length": 4000, "peak_bytes": 30})
     assert bench.predict_peak(history, 8000) == 100 + 60  # never extrapolated below linear
+
+
+def test_long_context_rounds_pair_each_mode_with_dense(run_all, tmp_path):
+    bench = importlib.import_module("bench_long_context")  # on the path while the run_all fixture holds it
+    ok = {"status": "ok", "visible": 0.5, "base_bytes": 10}
+    merged = bench.merge_rounds([{**ok, "peak_bytes": 5, "median_s": 1.0, "times_s": [1.0]},
+                                 {**ok, "peak_bytes": 7, "median_s": 3.0, "times_s": [3.0, 2.0]}])  # fmt: skip
+    assert (merged["peak_bytes"], merged["median_s"], merged["round_median_s"]) == (7, 2.0, [1.0, 3.0])
+    assert merged["times_s"] == [1.0, 3.0, 2.0]
+    killed = {"status": "killed: resident 9.0 GiB > limit"}
+    assert bench.merge_rounds([{**ok, "peak_bytes": 5, "median_s": 1.0, "times_s": [1.0]}, killed]) == killed
+    dense = {**merged, "round_median_s": [1.0, 2.0], "median_s": 1.5}
+    smd = {**merged, "round_median_s": [1.5, 2.0], "median_s": 1.75}  # round ratios 1.5 and 1.0
+    assert bench._cell(smd, dense, "time") == "1.75 s (1.25x; rounds 1.00-1.50x)"
+
+    out = tmp_path / "lc.json"
+    bench.main(["--quick", "--rounds", "2", "--sweeps", "completion", "--lengths", "64", "--modes", "dense", "smd",
+                "--layouts", "per_row", "--json", str(out), "--markdown", str(tmp_path / "lc.md")])  # fmt: skip
+    results = json.loads(out.read_text())["results"]
+    rounds = [(r["mode"], r["status"], len(r["round_median_s"])) for r in results]
+    assert rounds == [("dense", "ok", 2), ("smd", "ok", 2)]
+    assert "rounds" in (tmp_path / "lc.md").read_text()
+    with pytest.raises(SystemExit, match="--rounds"):
+        bench.main(["--quick", "--rounds", "0", "--json", str(out), "--markdown", str(tmp_path / "lc.md")])
