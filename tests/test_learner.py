@@ -200,6 +200,38 @@ def test_no_mask_or_scores_are_kept_for_backward(model64, layout, monkeypatch):
     assert _two_length_axes(unchecked, lengths)
 
 
+@pytest.mark.parametrize("lengths", [(40, 40), (40, 31)])
+def test_dense_slot_attention_runs_whole_slots_with_bounded_masks(model64, lengths, monkeypatch):
+    """The dense view's slot queries run as one block per layer (two kernel calls: the earlier keys, the slot's own
+    keys causally); where padded prompts would need a mask, blocks shrink until it fits `BLOCK_ELEMENTS`. The values
+    stay the per-row pass's."""
+    import lit_smd.kv.blocked as blocked
+
+    model = model64("qwen3")
+    rollout = _rollout(model, lengths=lengths)
+    monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 200)  # padded prompts: a whole slot's mask would be 504
+    monkeypatch.setattr(blocked, "MIN_BLOCK", 2)
+    monkeypatch.setattr(blocked, "VISIBLE_BLOCK", 4)  # the shadow view's block, shorter than a slot here
+    blocks, masks, walk = [], [], blocked._blocks
+
+    def spy(*args):
+        for start, stop, pieces in walk(*args):
+            blocks.append(stop - start)
+            masks.extend(piece.mask.numel() for piece in pieces if piece.mask is not None)
+            yield start, stop, pieces
+
+    monkeypatch.setattr(blocked, "_blocks", spy)
+    packed = learner_hidden_states(model, rollout, shadow=False)
+    assert packed._packing is not None and blocks
+    if lengths[0] == lengths[1]:
+        assert set(blocks) == {packed._packing.plan.slot_width} and not masks
+    else:
+        assert masks and max(masks) <= 200 and max(blocks) < packed._packing.plan.slot_width
+    expected = learner_hidden_states(model, rollout, shadow=False, layout="per_row").hidden
+    mask = rollout.completion_mask[..., None]
+    assert torch.allclose(packed.hidden * mask, expected * mask, atol=1e-5)
+
+
 def test_checkpointed_slot_attention_holds_only_storage_autograd_keeps_anyway(model64, monkeypatch):
     """The checkpoint keeps its inputs for the recomputation; they must be slices of tensors saved elsewhere, or the
     activation memory the benchmark counts (saved tensors) would miss them."""

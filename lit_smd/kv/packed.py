@@ -183,7 +183,10 @@ class PackedPlan:
                 return per_slot(prompt_key, slot_key, new), per_slot(prompt_value, slot_value, new)
 
             query_pos = row_lengths[:, None] + torch.arange(new, device=device, dtype=torch.int32)  # [B', N]
-            out = visible_attention(queries, build, inputs[1:], limit, query_pos, width, scaling)
+            # The dense view in one block: two kernel calls per layer (every earlier key, then the slot's own keys
+            # causally; `_blocks` halves it where padded prompts would need a large mask), not two per 256 queries.
+            block = None if shadow else new
+            out = visible_attention(queries, build, inputs[1:], limit, query_pos, width, scaling, block=block)
         else:
             out = self._slot_blocks(queries, inputs, limit, row_lengths, per_slot, scaling, dropout, features, sinks)
         out = out.reshape(rows, slots, q_heads, new, out.shape[-1])
