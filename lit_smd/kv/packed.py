@@ -48,6 +48,7 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from lit_smd.kv.blocked import (
+    DENSE_BLOCK,
     NEVER,
     block_attention,
     causal_rows_attention,
@@ -183,9 +184,9 @@ class PackedPlan:
                 return per_slot(prompt_key, slot_key, new), per_slot(prompt_value, slot_value, new)
 
             query_pos = row_lengths[:, None] + torch.arange(new, device=device, dtype=torch.int32)  # [B', N]
-            # The dense view in one block: two kernel calls per layer (every earlier key, then the slot's own keys
-            # causally; `_blocks` halves it where padded prompts would need a large mask), not two per 256 queries.
-            block = None if shadow else new
+            # The dense view in blocks of `DENSE_BLOCK`: two kernel calls each (the earlier keys, then the block's
+            # own keys causally; `_blocks` halves a block where padded prompts would need a large mask).
+            block = None if shadow else min(new, DENSE_BLOCK)
             out = visible_attention(queries, build, inputs[1:], limit, query_pos, width, scaling, block=block)
         else:
             out = self._slot_blocks(queries, inputs, limit, row_lengths, per_slot, scaling, dropout, features, sinks)
