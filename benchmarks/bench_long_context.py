@@ -540,9 +540,24 @@ def memory_limit(args: argparse.Namespace) -> int:
     return min(int(args.memory_limit_gib * GIB), free) if args.memory_limit_gib else free
 
 
+def run_or_skip(args: argparse.Namespace, history: list[dict[str, Any]], length: int, spec: dict[str, Any]):
+    """One worker of a cell, or its skip: when the series stopped at a shorter length, or when the peak predicted from
+    ``history`` (the series' rows so far) would pass the memory limit. The result names both figures."""
+    limit = memory_limit(args)
+    predicted = predict_peak(history, length)
+    stopped = next((r for r in history if r["status"] != "ok"), None)
+    if stopped is not None:
+        result = {"status": f"skipped: series stopped at {stopped['length']} ({stopped['status'].split(':')[0]})"}
+    elif predicted is not None and predicted > limit:
+        result = {"status": f"skipped: predicted {predicted / GIB:.1f} GiB > {limit / GIB:.1f}"}
+    else:
+        result = run_worker(spec, limit, args.max_seconds)
+    return {**result, "predicted_bytes": predicted, "limit_bytes": limit}
+
+
 def merge_rounds(results: list[dict[str, Any]]) -> dict[str, Any]:
     """One cell from its rounds' worker results: the first failure if any; else the largest peak, every timed step,
-    each round's median (``round_median_s``) and their median (``median_s``)."""
+    each round's median (``round_median_s``) and their median (``median_s``), and the first round's memory guard."""
     failed = next((r for r in results if r["status"] != "ok"), None)
     if failed is not None:
         return failed
@@ -551,49 +566,34 @@ def merge_rounds(results: list[dict[str, Any]]) -> dict[str, Any]:
         "status": "ok", "peak_bytes": max(r["peak_bytes"] for r in results), "median_s": statistics.median(medians),
         "round_median_s": medians, "times_s": [t for r in results for t in r["times_s"]],
         "visible": results[0]["visible"], "base_bytes": max(r["base_bytes"] for r in results),
+        "predicted_bytes": results[0].get("predicted_bytes"), "limit_bytes": results[0].get("limit_bytes"),
     }  # fmt: skip
 
 
 def run_grid(args: argparse.Namespace, pattern: MaskPattern, payload: dict[str, Any]) -> None:
     """Every cell of the grid; per length and layout the modes' workers take turns for ``--rounds`` rounds (the order
     reversed every other round), so that each mode's round ``i`` ran beside dense's: their ratio is a pair measured
-    under the same load."""
+    under the same load. A mode that fails or is skipped runs no further rounds."""
     for model in args.models:
         for sweep in args.sweeps:
             series: dict[tuple[str, str], list[dict[str, Any]]] = {}
             for length in args.lengths:
                 prompt_len, new_tokens = (length, args.short) if sweep == "prompt" else (args.short, length)
                 for layout in args.layouts:
-                    rounds: dict[str, list[dict[str, Any]]] = {}
-                    predictions: dict[str, tuple[int | None, int]] = {}
+                    rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
                     for turn in range(args.rounds):
                         for mode in args.modes if turn % 2 == 0 else args.modes[::-1]:
-                            history = series.setdefault((mode, layout), [])
-                            done = rounds.setdefault(mode, [])
+                            done = rounds[mode]
                             if done and done[-1]["status"] != "ok":
                                 continue
-                            limit = memory_limit(args)
-                            predicted = predict_peak(history, length)
-                            predictions.setdefault(mode, (predicted, limit))
-                            stopped = next((r for r in history if r["status"] != "ok"), None)
-                            if stopped is not None:
-                                word = stopped["status"].split(":")[0]
-                                result = {"status": f"skipped: series stopped at {stopped['length']} ({word})"}
-                            elif predicted is not None and predicted > limit:
-                                result = {"status": f"skipped: predicted {predicted / GIB:.1f} GiB > "
-                                                    f"{limit / GIB:.1f}"}  # fmt: skip
-                            else:
-                                spec = cell_spec(args, model, mode, layout, prompt_len, new_tokens, pattern)
-                                result = run_worker(spec, limit, args.max_seconds)
-                            done.append(result)
+                            spec = cell_spec(args, model, mode, layout, prompt_len, new_tokens, pattern)
+                            done.append(run_or_skip(args, series.setdefault((mode, layout), []), length, spec))
                             print(f"  {model} {sweep} {length} {layout} {mode} (round {turn + 1}/{args.rounds}): "
-                                  f"{_cell(result)}", file=sys.stderr, flush=True)  # fmt: skip
+                                  f"{_cell(done[-1])}", file=sys.stderr, flush=True)  # fmt: skip
                     for mode in args.modes:
-                        predicted, limit = predictions[mode]
                         row = {"model": model, "sweep": sweep, "length": length, "prompt_len": prompt_len,
                                "new_tokens": new_tokens, "mode": mode, "layout": layout,
-                               **merge_rounds(rounds[mode]), "predicted_bytes": predicted,
-                               "limit_bytes": limit}  # fmt: skip
+                               **merge_rounds(rounds[mode])}  # fmt: skip
                         series[(mode, layout)].append(row)
                         payload["results"].append(row)
                     C.write_json(args.json, payload)
@@ -850,7 +850,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{', activation checkpointing per layer' if args.gradient_checkpointing else ''}. "
                 f"Peak = resident high-water mark rise of one step (glibc mmap threshold 64 KiB), {where}; time = "
                 f"median of {args.repeats} further step(s) (threshold 32 MiB, as a training process has it)"
-                + (f", median over {args.rounds} rounds of fresh workers, the modes taking turns" if args.rounds > 1
+                + (f", median over {args.rounds} rounds (one worker each), the modes taking turns" if args.rounds > 1
                    else "")
                 + ". (x) = against dense of the same length and layout, same run"
                 + ("; with the range of the rounds' ratios (each round's to dense's beside it)" if args.rounds > 1

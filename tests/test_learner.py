@@ -202,9 +202,9 @@ def test_no_mask_or_scores_are_kept_for_backward(model64, layout, monkeypatch):
 
 @pytest.mark.parametrize("lengths", [(40, 40), (40, 31)])
 def test_dense_slot_attention_runs_whole_slots_with_bounded_masks(model64, lengths, monkeypatch):
-    """The dense view's slot queries run as one block per layer (two kernel calls: the earlier keys, the slot's own
-    keys causally); where padded prompts would need a mask, blocks shrink until it fits `BLOCK_ELEMENTS`. The values
-    stay the per-row pass's."""
+    """The dense view's slot queries run in blocks of `DENSE_BLOCK` (here one per slot; two kernel calls each: the
+    earlier keys, the block's own keys causally), not the shadow view's `VISIBLE_BLOCK`; where padded prompts would
+    need a mask, blocks shrink until it fits `BLOCK_ELEMENTS`. The values stay the per-row pass's."""
     import lit_smd.kv.blocked as blocked
 
     model = model64("qwen3")
