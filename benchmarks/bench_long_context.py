@@ -6,7 +6,7 @@ rollout, runs a small warm-up step, then the measured steps (one for memory, ``-
 `use_allocator`): the code of `lit_smd.modules.GRPOModule.training_step` on one on-policy batch, called through the
 same functions (`lit_smd.modules._grpo_smd.grpo_pass`, which runs `lit_smd.learner.learner_hidden_states`; the
 chunked log-prob head `lit_smd.losses.token_logprobs_and_entropy`; `lit_smd.losses.group_advantages` and
-`lit_smd.losses.policy_loss`; for ``smd`` the shadow-masked pass plus `lit_smd.modules._grpo_smd.smd_logprobs_and_kl`,
+`lit_smd.losses.policy_loss`; for ``smd`` the shadow-masked pass plus `lit_smd.modules._grpo_smd.smd_loss_and_kl`,
 the log-probs fused with the KL to the no-grad dense teacher `lit_smd.learner.dense_hidden_states`), then
 ``loss.backward()``. No optimizer step.
 
@@ -89,7 +89,7 @@ from lit_smd.kv import NEVER, ShadowMask
 from lit_smd.learner import learner_hidden_states, score
 from lit_smd.losses import group_advantages, policy_loss, token_logprobs_and_entropy
 from lit_smd.losses.head import output_head
-from lit_smd.modules._grpo_smd import grpo_pass, smd_logprobs_and_kl
+from lit_smd.modules._grpo_smd import grpo_pass, smd_loss_and_kl
 from lit_smd.rollout import Rollout, generate
 
 MODES = ("dense", "naive", "smd")
@@ -293,15 +293,15 @@ def grpo_learner_step(
     smd = mode == "smd"
     teacher = smd and kl_coef > 0
     learner = grpo_pass(policy, rollout, layout, shadow=smd, keep_prompt_kv=teacher)
-    if teacher:
-        logprobs, _, kl = smd_logprobs_and_kl(policy, rollout, learner, rollout.completion_mask, temperature=1.0,
-                                              chunk_size=chunk_size)  # fmt: skip
-    else:
+    with torch.set_grad_enabled(not teacher):  # smd: the policy term's gradient reaches the head in the KL's pass
         logprobs, _ = token_logprobs_and_entropy(learner.hidden, output_head(policy), rollout.completion_ids,
                                                  chunk_size=chunk_size)  # fmt: skip
+    if teacher:
+        logprobs.requires_grad_()
     loss = policy_loss(logprobs, logprobs.detach(), advantages, rollout.completion_mask, loss_type="grpo").loss
     if teacher:
-        loss = loss + kl_coef * kl.loss
+        loss, _ = smd_loss_and_kl(policy, rollout, learner, rollout.completion_mask, loss, logprobs, kl_coef=kl_coef,
+                                  temperature=1.0, chunk_size=chunk_size)  # fmt: skip
     loss.backward()
     return loss.detach()
 

@@ -12,7 +12,7 @@ from lit_smd.losses.grpo import (
 )
 from lit_smd.losses.kl import KLOutput, chunked_token_kl, sampled_reverse_kl, token_kl
 from lit_smd.losses.kl_topk import topk_token_kl
-from lit_smd.losses.logprobs import token_logprobs_and_entropy, token_logprobs_and_kl
+from lit_smd.losses.logprobs import kl_with_policy_grad, token_logprobs_and_entropy, token_logprobs_and_kl
 from lit_smd.losses.rollout_correction import RolloutCorrection, RolloutCorrectionOutput, rollout_correction
 from lit_smd.losses.sparse_rl import SparseRLConfig, SparseRLCorrection, sparse_rl_correction
 
@@ -27,6 +27,7 @@ __all__ = [
     "chunked_token_kl",
     "group_advantages",
     "k3_kl",
+    "kl_with_policy_grad",
     "masked_mean",
     "mismatch_stats",
     "policy_loss",

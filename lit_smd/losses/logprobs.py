@@ -13,6 +13,9 @@ known only in the backward, so the KL's gradient cannot be pushed through the lm
 `lit_smd.losses.chunked_token_kl` does; the two gradients are summed per chunk in the backward instead, which projects
 the student and the teacher once more. Head matmuls per chunk: 2 (forward) + 4 (backward: both projections, the input
 and the weight gradients), against 4 + 4 for ``token_logprobs_and_entropy`` beside ``chunked_token_kl``.
+``kl_with_policy_grad`` turns the order around, as GRPO's SMD step uses it: the log-probs come first from a no-grad
+pass (1 matmul per chunk), the policy loss's gradient with respect to them is taken on the small ``[B, N]`` loss, and
+the KL's pass then pushes both gradients through the lm_head in its forward (4 matmuls): 5 in all.
 
 Departure from a checkpointed autograd chunk (the previous implementation): same values and gradients, but the
 log-normaliser comes from ``log_softmax`` (on the CPU ``logsumexp`` over a ``[1024, 49152]`` chunk took 5x the time of
@@ -29,6 +32,7 @@ from torch import Tensor
 from lit_smd._deprecation import legacy_call
 from lit_smd.losses import _legacy
 from lit_smd.losses._fused_kl import (
+    ChunkedLinearLoss,
     KLOutput,
     check_head,
     check_kl_args,
@@ -47,7 +51,7 @@ from lit_smd.losses._fused_kl import (
 from lit_smd.losses.head import OutputHead
 from lit_smd.reduced_matmul import linear
 
-__all__ = ["token_logprobs_and_entropy", "token_logprobs_and_kl"]
+__all__ = ["kl_with_policy_grad", "token_logprobs_and_entropy", "token_logprobs_and_kl"]
 
 
 @legacy_call(_legacy.token_logprobs_and_entropy_0_1)  # 0.1.0's weight / bias arguments, deprecated
@@ -128,17 +132,7 @@ def token_logprobs_and_kl(
     """
     _check_logprob_args(hidden, head, ids, temperature, chunk_size)
     check_kl_args(forward_weight, reverse_weight, temperature)
-    teacher_vocab = check_head(teacher_hidden, teacher_head, "teacher_hidden", "teacher_head")
-    if teacher_vocab != head.weight.shape[0]:
-        raise ValueError(
-            f"vocabulary mismatch: head.weight.shape[0] = {head.weight.shape[0]} != teacher_head.weight.shape[0] = "
-            f"{teacher_vocab}"
-        )
-    if teacher_hidden.shape[:-1] != ids.shape:
-        raise ValueError(
-            f"teacher_hidden must have shape [*ids.shape, H_T]: got {tuple(teacher_hidden.shape)} and ids "
-            f"{tuple(ids.shape)}"
-        )
+    _check_teacher(teacher_hidden, teacher_head, head, ids)
     check_mask(mask, ids.shape)
     dtype = compute_dtype(hidden, head.weight, teacher_hidden)
     weights = token_weights(mask, ids.shape, dtype, hidden.device).reshape(-1)  # [N]
@@ -149,6 +143,89 @@ def token_logprobs_and_kl(
     )  # fmt: skip
     logprobs, entropy, loss, stats = _apply(hidden, head, ids, teacher, temperature, chunk_size, dtype)
     return logprobs.view(ids.shape), entropy.view(ids.shape), kl_output(loss, stats, weights)
+
+
+def kl_with_policy_grad(
+    hidden: Tensor,
+    head: OutputHead,
+    ids: Tensor,
+    logprob_grad: Tensor,
+    teacher_hidden: Tensor,
+    teacher_head: OutputHead,
+    *,
+    kl_coef: float,
+    forward_weight: float = 1.0,
+    reverse_weight: float = 0.0,
+    temperature: float = 1.0,
+    mask: Tensor | None = None,
+    normalizer: float | Tensor | None = None,
+    chunk_size: int = 1024,
+) -> tuple[Tensor, KLOutput]:
+    """``kl_coef`` times the token KL of `token_logprobs_and_kl`, carrying also the gradient of a policy term whose
+    gradient with respect to the log-probs, ``logprob_grad``, is already known.
+
+    For a loss ``L(logprobs) + kl_coef * KL`` where ``L``'s gradient ``g = dL / dlogprobs`` was computed from log-probs
+    taken without gradient: ``L.detach() + loss`` has that loss's value and its gradient with respect to ``hidden``
+    and the head. Each chunk is projected for the student and the teacher once and its whole gradient is pushed
+    through the lm_head at once (`lit_smd.losses._fused_kl.ChunkedLinearLoss`): 4 head matmuls per chunk, against 6
+    for `token_logprobs_and_kl`, whose backward must project both again because ``g`` is known only there. With the
+    no-grad pass that gave the log-probs (1 matmul) the pair costs 5.
+
+    Args:
+        hidden: ``[B, N, H]`` student final hidden states.
+        head: The student's output head.
+        ids: ``[B, N]`` token ids whose log-probs ``L`` depends on.
+        logprob_grad: ``[B, N]`` ``dL / dlogprobs`` at the current parameters (detached here).
+        teacher_hidden: ``[B, N, H_T]`` teacher final hidden states (detached here).
+        teacher_head: The teacher's output head (``[V, H_T]``; may be ``head``).
+        kl_coef: ``>= 0``, the KL's weight in the loss.
+        forward_weight: ``w_f >= 0``, weight of ``KL(p_T || q_S)``.
+        reverse_weight: ``w_r >= 0``, weight of ``KL(q_S || p_T)``; not both weights may be 0.
+        temperature: ``tau > 0`` dividing both sets of logits.
+        mask: ``[B, N]`` tokens the KL averages over; bool, or float per-token weights. ``None`` keeps all.
+        normalizer: Denominator of the KL. ``None``: the mask sum.
+        chunk_size: Rows per chunk.
+
+    Returns:
+        ``(loss, kl)``: ``loss`` is the scalar ``kl_coef * kl.loss`` in value, with the gradient of
+        ``sum(g * logprobs) + kl_coef * KL``; ``kl`` is the `KLOutput` of the KL, all detached.
+
+    Raises:
+        ValueError: Mismatched shapes or vocabularies, invalid weights, ``kl_coef``, temperature, normalizer or chunk
+            size; the message names the argument.
+    """
+    _check_logprob_args(hidden, head, ids, temperature, chunk_size)
+    _check_teacher(teacher_hidden, teacher_head, head, ids)
+    check_kl_args(forward_weight, reverse_weight, temperature)
+    check_mask(mask, ids.shape)
+    if logprob_grad.shape != ids.shape:
+        raise ValueError(f"logprob_grad must have ids' shape {tuple(ids.shape)}, got {tuple(logprob_grad.shape)}")
+    if not 0 <= kl_coef < math.inf:
+        raise ValueError(f"kl_coef must be >= 0 and finite, got {kl_coef}")
+    dtype = compute_dtype(hidden, head.weight, teacher_hidden)
+    weights = token_weights(mask, ids.shape, dtype, hidden.device).reshape(-1)  # [N]
+    row_weights = weights / denominator(weights, normalizer)  # [N]
+    flat_ids, g = ids.reshape(-1), logprob_grad.detach().reshape(-1).to(dtype)  # [N] x2
+    teacher_rows = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])  # [N, H_T]
+    teacher_weight, teacher_bias = teacher_head.weight.detach(), teacher_head.bias
+    teacher_bias = None if teacher_bias is None else teacher_bias.detach()
+
+    def rows_fn(log_q: Tensor, rows: slice, need_grad: bool) -> tuple[Tensor, Tensor, Tensor | None]:
+        log_p = head_log_softmax(teacher_rows[rows], teacher_weight, teacher_bias, teacher_head.transform, temperature,
+                                 dtype)  # fmt: skip
+        kl_scale = kl_coef * row_weights[rows]  # [C]
+        loss_rows, stats, grad = _kl_rows_and_grad(log_q, log_p, forward_weight, reverse_weight, kl_scale, g[rows])
+        grad.scatter_add_(-1, flat_ids[rows, None], g[rows, None])  # [C, V] + g onehot(id)
+        return kl_scale * loss_rows, stats, grad if need_grad else None
+
+    hidden_rows = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
+    grad_on = torch.is_grad_enabled()
+    needs_grad = tuple(grad_on and t is not None and t.requires_grad for t in (hidden_rows, head.weight, head.bias))
+    ones = torch.ones_like(row_weights)  # rows_fn weighs its own rows: the policy term is not the KL's mean
+    loss, stats = ChunkedLinearLoss.apply(hidden_rows, head.weight, head.bias, ones, rows_fn, chunk_size, dtype,
+                                          temperature, needs_grad, head.transform)  # fmt: skip
+    kl_loss = row_weights @ (stats[:, 0] * forward_weight + stats[:, 1] * reverse_weight)
+    return loss, kl_output(kl_loss, stats, weights)
 
 
 class _Teacher(NamedTuple):
@@ -230,7 +307,9 @@ class ChunkedLogprobs(torch.autograd.Function):
             else:
                 kl_scale = grad_loss.to(dtype) * teacher.row_weights[rows]  # [C]
                 log_p = _teacher_log_p(teacher, rows, temperature, dtype)  # [C, V]
-                grad = _kl_grad(log_q, log_p, teacher.forward_weight, teacher.reverse_weight, kl_scale, g)  # [C, V]
+                _, _, grad = _kl_rows_and_grad(
+                    log_q, log_p, teacher.forward_weight, teacher.reverse_weight, kl_scale, g
+                )  # [C, V]
                 del log_p
             grad.scatter_add_(-1, ids[rows, None], g[:, None])  # + g onehot(id)
             grad = head.transform.backward_(grad.div_(temperature), logits).to(hidden.dtype)  # [C, V] d/d projection
@@ -271,24 +350,30 @@ def _teacher_log_p(teacher: _Teacher, rows: slice, temperature: float, dtype: to
                             dtype)  # fmt: skip
 
 
-def _kl_grad(
+def _kl_rows_and_grad(
     log_q: Tensor, log_p: Tensor, forward_weight: float, reverse_weight: float, kl_scale: Tensor, g: Tensor
-) -> Tensor:
-    """``c * (w_f * (q - p) + w_r * q * (log(q / p) - RKL)) - g * q`` ``[C, V]``, the gradient with respect to the
-    scaled logits of ``sum_i c_i * KL terms_i + g_i * log q_i`` without its one-hot part; in ``log_q``'s buffer
-    (``log_p``'s is overwritten; its ``-inf`` clamped as in `full_kl_rows`)."""
+) -> tuple[Tensor, Tensor, Tensor]:
+    """The per-row KL terms ``[C]`` and stats ``[C, 3]`` of `full_kl_rows`, and
+    ``c * (w_f * (q - p) + w_r * q * (log(q / p) - RKL)) - g * q`` ``[C, V]``: the gradient with respect to the scaled
+    logits of ``sum_i c_i * KL terms_i + g_i * log q_i`` without its one-hot part, in ``log_q``'s buffer (``log_p``'s
+    is overwritten; its ``-inf`` clamped as in `full_kl_rows`)."""
     log_p.clamp_(min=torch.finfo(log_p.dtype).min)
     q = log_q.exp()  # [C, V]
+    entropy = -rowdot(q, log_q)  # [C]
     grad = log_q.sub_(log_p)  # [C, V] log(q / p), in log_q's buffer
+    reverse_kl = rowdot(q, grad)  # [C]
+    p = log_p.exp_()  # [C, V] in log_p's buffer
+    forward_kl = -rowdot(p, grad)  # [C]
+    loss_rows = forward_weight * forward_kl + reverse_weight * reverse_kl  # [C]
+    stats = torch.stack([forward_kl, reverse_kl, entropy], -1)  # [C, 3]
     if reverse_weight:
-        reverse_kl = rowdot(q, grad)  # [C]
         grad.sub_(reverse_kl[:, None]).mul_(q).mul_((reverse_weight * kl_scale)[:, None])  # [C, V]
         grad.addcmul_(q, (forward_weight * kl_scale - g)[:, None])
     else:
         torch.mul(q, (forward_weight * kl_scale - g)[:, None], out=grad)  # [C, V]
     if forward_weight:
-        grad.sub_(log_p.exp_().mul_((forward_weight * kl_scale)[:, None]))
-    return grad
+        grad.sub_(p.mul_((forward_weight * kl_scale)[:, None]))
+    return loss_rows, stats, grad
 
 
 def _chunks(num_rows: int, chunk_size: int) -> list[slice]:
@@ -311,3 +396,17 @@ def _check_logprob_args(hidden: Tensor, head: OutputHead, ids: Tensor, temperatu
         raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+
+
+def _check_teacher(teacher_hidden: Tensor, teacher_head: OutputHead, head: OutputHead, ids: Tensor) -> None:
+    teacher_vocab = check_head(teacher_hidden, teacher_head, "teacher_hidden", "teacher_head")
+    if teacher_vocab != head.weight.shape[0]:
+        raise ValueError(
+            f"vocabulary mismatch: head.weight.shape[0] = {head.weight.shape[0]} != teacher_head.weight.shape[0] = "
+            f"{teacher_vocab}"
+        )
+    if teacher_hidden.shape[:-1] != ids.shape:
+        raise ValueError(
+            f"teacher_hidden must have shape [*ids.shape, H_T]: got {tuple(teacher_hidden.shape)} and ids "
+            f"{tuple(ids.shape)}"
+        )

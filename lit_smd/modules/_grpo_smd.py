@@ -9,7 +9,7 @@ all alive at once; both sides go through the policy's one `lit_smd.losses.head.O
 as the teacher and the masked pass as the student. The teacher reuses the masked pass's prompt keys and values (the
 prompt's hidden states are the same in both views) and runs only the completions
 (`lit_smd.learner.dense_hidden_states`); in the training step the KL shares its vocabulary projections with the
-policy's log-probs (`smd_logprobs_and_kl`, `lit_smd.losses.logprobs.token_logprobs_and_kl`). ``"masked"`` (the SMD
+policy's log-probs (`smd_loss_and_kl`, `lit_smd.losses.logprobs.kl_with_policy_grad`). ``"masked"`` (the SMD
 README's variant): ``KL(dense || sg[masked])``, the reverse direction with the dense pass as the student, so the
 gradient flows into a second, dense pass. The SMD repository's code uses neither (a sampled-token hinge against
 rollout log-probs); it is not reproduced.
@@ -26,7 +26,7 @@ from lit_smd.fsdp import is_sharded
 from lit_smd.learner import LearnerLayout, LearnerPass, dense_hidden_states, learner_hidden_states, shareable_groups
 from lit_smd.losses.head import output_head
 from lit_smd.losses.kl import KLOutput, chunked_token_kl
-from lit_smd.losses.logprobs import token_logprobs_and_kl
+from lit_smd.losses.logprobs import kl_with_policy_grad
 from lit_smd.rollout import Rollout
 
 
@@ -98,36 +98,51 @@ def smd_kl(
     return chunked_token_kl(dense_hidden, head, masked_hidden.detach(), teacher_head=head, **reverse, **common)
 
 
-def smd_logprobs_and_kl(
+def smd_loss_and_kl(
     policy: PreTrainedModel,
     rollout: Rollout,
     masked: LearnerPass,
     mask: Tensor,
+    policy_loss: Tensor,
+    logprobs: Tensor,
     *,
+    kl_coef: float,
     temperature: float,
     chunk_size: int,
     phase_owner: object = None,
-) -> tuple[Tensor, Tensor, KLOutput]:
-    """The policy's log-probs and entropy of the masked pass and SMD's ``KL(sg[dense] || masked)``, in one chunked
-    pass over the vocabulary: ``token_logprobs_and_entropy(masked.hidden, ...)`` and ``smd_kl(...,
-    stop_gradient="dense")`` in value and gradient, two vocabulary projections per chunk fewer.
+) -> tuple[Tensor, KLOutput]:
+    """The step's loss ``policy_loss + kl_coef * KL(sg[dense] || masked)``, in value and gradient, with the policy
+    term's gradient pushed through the lm_head in the KL's pass (`lit_smd.losses.logprobs.kl_with_policy_grad`).
+
+    ``logprobs`` are the masked pass's log-probs taken without gradient (``token_logprobs_and_entropy`` on
+    ``masked.hidden`` under ``no_grad``), made a leaf that requires grad before ``policy_loss`` was computed from them:
+    five vocabulary projections per chunk in all, against six when the log-probs carry the gradient
+    (`lit_smd.losses.logprobs.token_logprobs_and_kl`).
 
     Args:
         policy: The policy.
         rollout: A compressed rollout (with a shadow mask).
-        masked: The shadow-view pass (``keep_prompt_kv=True`` for the dense teacher to reuse its prompt).
+        masked: The shadow-view pass with gradient (``keep_prompt_kv=True`` for the dense teacher to reuse its prompt).
         mask: ``[B, N]`` bool, the tokens the KL averages over.
+        policy_loss: Scalar policy loss computed from ``logprobs``.
+        logprobs: ``[B, N]`` the leaf ``policy_loss`` was computed from.
+        kl_coef: The KL's weight.
         temperature: Sampling temperature the logits are divided by.
         chunk_size: Tokens per chunk of the vocabulary projection.
         phase_owner: Whose ``phase_listeners`` hear the dense teacher pass as the ``"teacher"`` phase.
 
     Returns:
-        ``(logprobs [B, N], entropy [B, N], KLOutput)``; the KL's ``forward_kl`` is its value.
+        ``(loss, kl)``: the scalar loss to back-propagate and the KL's detached `KLOutput` (``forward_kl`` its value).
     """
+    if policy_loss.requires_grad:
+        (logprob_grad,) = torch.autograd.grad(policy_loss, logprobs)  # [B, N]
+    else:
+        logprob_grad = torch.zeros_like(logprobs)  # [B, N]
     head = output_head(policy)
     with torch.no_grad(), report_phase(phase_owner, "teacher"):
         dense_hidden = dense_hidden_states(policy, rollout, masked)  # [B, N, H]
-    return token_logprobs_and_kl(
-        masked.hidden, head, rollout.completion_ids, dense_hidden, head, temperature=temperature, mask=mask,
-        chunk_size=chunk_size,
+    head_loss, kl = kl_with_policy_grad(
+        masked.hidden, head, rollout.completion_ids, logprob_grad, dense_hidden, head, kl_coef=kl_coef,
+        temperature=temperature, mask=mask, chunk_size=chunk_size,
     )  # fmt: skip
+    return policy_loss.detach() + head_loss, kl

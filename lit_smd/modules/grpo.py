@@ -130,7 +130,7 @@ from lit_smd.modules._grpo_metrics import (
     rollout_correction_metrics,
     synchronize,
 )
-from lit_smd.modules._grpo_smd import grpo_pass, smd_kl, smd_logprobs_and_kl
+from lit_smd.modules._grpo_smd import grpo_pass, smd_kl, smd_loss_and_kl
 from lit_smd.rollout import Rollout
 
 __all__ = ["GRPOModule", "Mode"]
@@ -333,12 +333,10 @@ class GRPOModule(LightningModule):
         smd_teacher = self.mode == "smd" and self.kl_coef > 0
         keep_prompt_kv = smd_teacher and self.kl_stop_gradient == "dense"  # the dense teacher reuses the prompt
         learner = self._pass(self.policy, rollout, shadow=self.uses_shadow_view, keep_prompt_kv=keep_prompt_kv)
-        kl = None
-        if keep_prompt_kv:  # the log-probs and the KL share their vocabulary projections
-            logprobs, entropy, kl = smd_logprobs_and_kl(
-                self.policy, rollout, learner, batch.loss_mask, temperature=self.temperature,
-                chunk_size=self.logits_chunk_size, phase_owner=self,
-            )  # fmt: skip
+        if keep_prompt_kv:  # without gradient: the policy term's reaches the head in the KL's pass (smd_loss_and_kl)
+            with torch.no_grad():
+                logprobs, entropy = self._token_logprobs(self.policy, learner.hidden, rollout.completion_ids)
+            logprobs.requires_grad_()  # [B, N], the leaf the policy loss's gradient is taken at
         else:
             logprobs, entropy = self._token_logprobs(self.policy, learner.hidden, rollout.completion_ids)  # [B, N] x2
         # The learner's view before the update: on-policy, this very pass (so the first ratio is exactly 1).
@@ -358,10 +356,15 @@ class GRPOModule(LightningModule):
         if self.beta > 0:
             loss_parts["train/kl_ref"] = out.kl
         metrics |= policy_metrics(out, entropy, rollout.completion_mask)
-        if smd_teacher:
-            if kl is None:  # kl_stop_gradient="masked": the dense pass is the student
-                kl = self.smd_kl(rollout, batch.loss_mask, masked=learner)
+        if keep_prompt_kv:
+            loss, kl = smd_loss_and_kl(
+                self.policy, rollout, learner, batch.loss_mask, loss, logprobs, kl_coef=self.kl_coef,
+                temperature=self.temperature, chunk_size=self.logits_chunk_size, phase_owner=self,
+            )  # fmt: skip
+        elif smd_teacher:  # kl_stop_gradient="masked": the dense pass is the student
+            kl = self.smd_kl(rollout, batch.loss_mask, masked=learner)
             loss = loss + self.kl_coef * kl.loss
+        if smd_teacher:
             loss_parts["smd/kl"] = kl.loss
             metrics["smd/kl"] = kl.forward_kl if self.kl_stop_gradient == "dense" else kl.reverse_kl
         self.nonfinite_guard.record({**loss_parts, "train/loss": loss})

@@ -6,7 +6,7 @@ import torch
 
 from lit_smd.losses.head import LogitTransform, OutputHead
 from lit_smd.losses.kl import chunked_token_kl, token_kl
-from lit_smd.losses.logprobs import token_logprobs_and_entropy, token_logprobs_and_kl
+from lit_smd.losses.logprobs import kl_with_policy_grad, token_logprobs_and_entropy, token_logprobs_and_kl
 
 SOFTCAP = LogitTransform(scale=0.5, softcap=2.0)
 
@@ -99,3 +99,55 @@ def test_fused_logprobs_and_kl_check_their_arguments():
         token_logprobs_and_kl(hidden, head, ids, hidden.detach(), head, forward_weight=0.0)
     with pytest.raises(ValueError, match="mask shape"):
         token_logprobs_and_kl(hidden, head, ids, hidden.detach(), head, mask=torch.ones(2, 6, dtype=torch.bool))
+
+
+@pytest.mark.parametrize("transform", [LogitTransform(), SOFTCAP], ids=["plain", "softcap"])
+@pytest.mark.parametrize(("forward_weight", "reverse_weight"), [(1.0, 0.0), (0.0, 1.0), (0.3, 0.7)])
+def test_kl_with_policy_grad_carries_both_gradients(transform, forward_weight, reverse_weight):
+    """``L.detach() + loss`` against autograd of ``L(logprobs) + kl_coef * KL`` on materialised float64 logits, for a
+    policy term ``L`` that is not linear in the log-probs (its gradient is taken first, as the learner does)."""
+    hidden, weight, bias, ids = _inputs(8)
+    teacher_hidden = _inputs(9)[0].detach()
+    mask = torch.rand(2, 7, generator=torch.Generator().manual_seed(10)) > 0.3
+    advantages = torch.randn(2, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(11))
+    head = OutputHead(weight, bias, transform)
+
+    def policy_term(logprobs):  # clipped-ratio-like, zero outside the mask
+        return -(torch.exp(logprobs - 0.1).clamp(max=0.9) * advantages * mask).sum() / mask.sum()
+
+    with torch.no_grad():
+        logprobs, _ = token_logprobs_and_entropy(hidden, head, ids, temperature=0.7, chunk_size=3)
+    logprobs.requires_grad_()
+    policy_value = policy_term(logprobs)
+    (logprob_grad,) = torch.autograd.grad(policy_value, logprobs)
+    loss, kl = kl_with_policy_grad(
+        hidden, head, ids, logprob_grad, teacher_hidden, head, kl_coef=0.3, forward_weight=forward_weight,
+        reverse_weight=reverse_weight, temperature=0.7, mask=mask, chunk_size=3,
+    )  # fmt: skip
+    total = policy_value.detach() + loss
+
+    student = _logits(hidden, weight, bias, transform)  # [2, 7, V]
+    teacher = _logits(teacher_hidden, weight, bias, transform).detach()  # [2, 7, V]
+    full_logprobs = torch.log_softmax(student / 0.7, -1).gather(-1, ids[..., None])[..., 0]  # [2, 7]
+    expected_kl = token_kl(student, teacher, forward_weight=forward_weight, reverse_weight=reverse_weight,
+                           temperature=0.7, mask=mask)  # fmt: skip
+    expected = policy_term(full_logprobs) + 0.3 * expected_kl
+    torch.testing.assert_close(total, expected, rtol=1e-12, atol=1e-14)
+    torch.testing.assert_close(kl.loss, expected_kl.detach(), rtol=1e-12, atol=1e-14)
+    assert not kl.loss.requires_grad
+    params = (hidden, weight, bias)
+    for got, want in zip(torch.autograd.grad(total, params), torch.autograd.grad(expected, params), strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)
+
+
+def test_kl_with_policy_grad_checks_its_arguments():
+    hidden, weight, _, ids = _inputs(12)
+    head, grad = OutputHead(weight), torch.zeros(2, 7, dtype=torch.float64)
+    with pytest.raises(ValueError, match="logprob_grad must have ids' shape"):
+        kl_with_policy_grad(hidden, head, ids, grad[:, :3], hidden.detach(), head, kl_coef=0.1)
+    with pytest.raises(ValueError, match="kl_coef must be >= 0"):
+        kl_with_policy_grad(hidden, head, ids, grad, hidden.detach(), head, kl_coef=-0.1)
+    with pytest.raises(ValueError, match="vocabulary mismatch"):
+        kl_with_policy_grad(hidden, head, ids, grad, hidden.detach(), OutputHead(torch.randn(12, 8)), kl_coef=0.1)
+    with pytest.raises(ValueError, match="mask shape"):
+        kl_with_policy_grad(hidden, head, ids, grad, hidden.detach(), head, kl_coef=0.1, mask=torch.ones(2, 6) > 0)

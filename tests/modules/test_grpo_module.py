@@ -219,8 +219,8 @@ def test_smd_kl_matches_a_full_logits_reference(peaky_model_factory, tokenizer, 
 
 @pytest.mark.parametrize("kl_coef", [0.0, 0.3])
 def test_smd_step_equals_the_policy_loss_plus_the_separately_computed_kl(peaky_model_factory, tokenizer, kl_coef):
-    """The step's fused log-probs + KL (`smd_logprobs_and_kl`) against `token_logprobs_and_entropy`, `policy_loss`
-    and `GRPOModule.smd_kl` run one by one: loss, entropy metric and every parameter's gradient."""
+    """The step's policy gradient carried by the KL's pass (`smd_loss_and_kl`) against `token_logprobs_and_entropy`,
+    `policy_loss` and `GRPOModule.smd_kl` run one by one: loss, entropy metric and every parameter's gradient."""
     policy = peaky_model_factory()
     rollout = sample(policy, tokenizer, RecentWindow(10, sinks=2), max_new_tokens=7)
     module = GRPOModule(policy, mode="smd", compressor=RecentWindow(10, sinks=2), kl_coef=kl_coef, temperature=0.8,
