@@ -85,12 +85,14 @@ class ChunkedLinearLoss(torch.autograd.Function):
             rows = slice(start, start + chunk_size)
             hidden_chunk = hidden[rows]  # [C, H]
             logits = transformed(linear(hidden_chunk, weight, bias), transform, compute_dtype)  # [C, V]
-            # The chunk's log-probs go to rows_fn unnamed: it reuses their buffer in place. A softcap's gradient needs
-            # the capped logits, so they are then kept (one more [C, V] buffer).
-            owned = transform.softcap is None
-            loss_rows, row_stats, grad_logits = rows_fn(
-                scaled_log_softmax(logits, temperature, compute_dtype, owned=owned), rows, need_any
-            )  # [C], [C, 3], [C, V]
+            # rows_fn reuses the log-probs' buffer in place. A softcap's gradient needs the capped logits, so they are
+            # then kept (one more [C, V] buffer); else they go before rows_fn allocates its own.
+            if transform.softcap is None:
+                log_q, logits = scaled_log_softmax(logits, temperature, compute_dtype, owned=True), None  # [C, V]
+            else:
+                log_q = scaled_log_softmax(logits, temperature, compute_dtype, owned=False)  # [C, V]
+            loss_rows, row_stats, grad_logits = rows_fn(log_q, rows, need_any)  # [C], [C, 3], [C, V]
+            del log_q  # rows_fn's gradient may be another of its buffers
             loss += row_weights[rows] @ loss_rows
             stats.append(row_stats)
             if need_any:

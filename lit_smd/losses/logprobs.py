@@ -385,13 +385,7 @@ def _check_logprob_args(hidden: Tensor, head: OutputHead, ids: Tensor, temperatu
         raise ValueError(
             f"hidden must have shape [*ids.shape, H]: got hidden {tuple(hidden.shape)} and ids {tuple(ids.shape)}"
         )
-    weight, bias = head.weight, head.bias
-    if weight.dim() != 2 or weight.shape[1] != hidden.shape[-1]:
-        raise ValueError(
-            f"head.weight must be [V, H] with H = hidden.shape[-1] = {hidden.shape[-1]}, got {tuple(weight.shape)}"
-        )
-    if bias is not None and bias.shape != weight.shape[:1]:
-        raise ValueError(f"head.bias must have shape ({weight.shape[0]},), got {tuple(bias.shape)}")
+    check_head(hidden, head, "hidden", "head")
     if not 0 < temperature < math.inf:
         raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:

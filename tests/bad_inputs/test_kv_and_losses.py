@@ -244,7 +244,7 @@ LOSS_ERRORS = [
     ("token_logprobs: ids shape", lambda: token_logprobs_and_entropy(HIDDEN, OutputHead(WEIGHT), TOKEN_IDS[:, :2]),
      r"hidden must have shape \[\*ids.shape, H\]: got hidden \(2, 3, 4\) and ids \(2, 2\)"),
     ("token_logprobs: weight shape", lambda: token_logprobs_and_entropy(HIDDEN, OutputHead(WEIGHT.T), TOKEN_IDS),
-     r"head.weight must be \[V, H\] with H = hidden.shape\[-1\] = 4, got \(4, 7\)"),
+     r"head.weight must be \[V, H\] with H = hidden.shape\[-1\] = 4, got shape \(4, 7\)"),
     ("token_logprobs: bias shape",
      lambda: token_logprobs_and_entropy(HIDDEN, OutputHead(WEIGHT, torch.zeros(V + 1)), TOKEN_IDS),
      r"head.bias must have shape \(7,\), got \(8,\)"),
