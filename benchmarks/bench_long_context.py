@@ -1,26 +1,24 @@
 """Long context: the GRPO learner step's peak memory and time over prompt and completion length, per mode and layout.
 
 One cell = one model, one sweep (long prompt with a short completion, or short prompt with a long completion), one
-length, one mode and one learner layout. Each cell runs in a **fresh subprocess** that builds the seeded model and the
-rollout, runs a small warm-up step, then the measured steps (one for memory, ``--repeats`` for time; see
-`use_allocator`): the code of `lit_smd.modules.GRPOModule.training_step` on one on-policy batch, called through the
-same functions (`lit_smd.modules._grpo_smd.grpo_pass`, which runs `lit_smd.learner.learner_hidden_states`; the
-chunked log-prob head `lit_smd.losses.token_logprobs_and_entropy`; `lit_smd.losses.group_advantages` and
-`lit_smd.losses.policy_loss`; for ``smd`` the shadow-masked pass plus `lit_smd.modules._grpo_smd.smd_loss_and_kl`,
-the log-probs fused with the KL to the no-grad dense teacher `lit_smd.learner.dense_hidden_states`), then
-``loss.backward()``. No optimizer step.
+length and one learner layout. Every step is the code of `lit_smd.modules.GRPOModule.training_step` on one on-policy
+batch, called through the same functions (`lit_smd.modules._grpo_smd.grpo_pass`, which runs
+`lit_smd.learner.learner_hidden_states`; the chunked log-prob head `lit_smd.losses.token_logprobs_and_entropy`;
+`lit_smd.losses.group_advantages` and `lit_smd.losses.policy_loss`; for ``smd`` the shadow-masked pass plus
+`lit_smd.modules._grpo_smd.smd_loss_and_kl`, the KL to the no-grad dense teacher `lit_smd.learner.dense_hidden_states`
+with the policy gradient pushed through the head in the same pass), then ``loss.backward()``. No optimizer step.
 
-- **peak MiB**: the resident high-water mark during the memory step (``VmHWM``, reset through
-  ``/proc/self/clear_refs``) minus the resident size before it (model, rollout and inputs already built), under
-  glibc's 64 KiB mmap threshold (freed tensors go back to the OS); on CUDA ``torch.cuda.max_memory_allocated`` above
-  ``memory_allocated`` before the step.
-- **time**: wall time of the step, median over ``--repeats`` further steps under glibc's allocator as a training
-  process has it (32 MiB threshold: the 64 KiB one's page faults would tax block-heavy code, SMD's most).
-- Ratios are against ``dense`` of the same model, sweep, length and layout, measured in the same run. With
-  ``--rounds R`` each cell runs in R workers, the modes taking turns (the order reversed every other round): the time
-  is the median of the rounds' medians, the ratio the median of each round's ratio to dense's round beside it, shown
-  with the range over the rounds. On a shared CPU one process can run 30% slower than the next for the same step, so
-  a single round's ratio can be off by that much; the range says how far.
+- **peak MiB**: per mode, a **fresh subprocess** builds the seeded model and the rollout, runs a small warm-up step,
+  then one step: the resident high-water mark during it (``VmHWM``, reset through ``/proc/self/clear_refs``) minus the
+  resident size before it (model, rollout and inputs already built), under glibc's 64 KiB mmap threshold (freed
+  tensors go back to the OS); on CUDA ``torch.cuda.max_memory_allocated`` above ``memory_allocated`` before the step.
+- **time**: one more fresh subprocess per cell (``--rounds`` of them) builds the model once and every mode's rollout,
+  warms each mode up, then runs ``--repeats`` repeats of one step per mode in turns (the order reversed every other
+  repeat), under glibc's allocator as a training process has it (32 MiB threshold: the 64 KiB one's page faults would
+  tax block-heavy code, SMD's most). A mode's time is the median of its steps; its ratio to dense is the median of
+  the ratios of each step to the dense step beside it, shown with their range. On a shared CPU one process can run
+  30-50% slower than the next for the same step, so ratios between steps of different processes (an earlier version
+  of this benchmark) were off by that much; beside each other in one process they agree to about 10%.
 - **slope**: least-squares slope of log(peak) against log(length) over the lengths measured within
   ``--slope-range`` (default 4k..32k), per model, sweep, mode and layout (1 = linear, 2 = quadratic).
 
@@ -79,6 +77,7 @@ import sys
 import tempfile
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -395,60 +394,92 @@ def _zero_grad(model) -> None:
 # ------------------------------------------------------------------------------------------------------ worker
 
 
-def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
-    """One cell, in this (fresh) process: build, warm up, measure. ``spec`` is what `cell_spec` makes."""
+def _cell_setup(spec: dict[str, Any]) -> tuple[torch.device, Callable[[str], Rollout], Callable[[str, Rollout], None]]:
+    """A worker's device, seeded model and step from ``spec`` (`cell_spec`): ``make(mode)`` builds the cell's rollout
+    for ``mode`` (dense: no shadow mask), ``step(mode, rollout)`` runs one step of ``spec["kind"]`` and clears the
+    gradients."""
     device = torch.device(spec["device"])
     C.apply_threads(spec["threads"], device)
-    dtype = C.DTYPES[spec["dtype"]]
-    pattern = None if spec["mode"] == "dense" else MaskPattern(**spec["pattern"])
-    prompt_len, new_tokens = spec["prompt_len"], spec["new_tokens"]
-    model = build_model(spec["model"], dtype, prompt_len + new_tokens, device)
+    model = build_model(spec["model"], C.DTYPES[spec["dtype"]], spec["prompt_len"] + spec["new_tokens"], device)
     if spec["gradient_checkpointing"]:  # what GRPOModule(gradient_checkpointing=True) enables
         model.activation_checkpointing_enable(activation_checkpointing_kwargs={"use_reentrant": False})
-    cfg = model_config(spec["model"])
-    group = spec["num_samples"]
+    cfg, group, kind = model_config(spec["model"]), spec["num_samples"], spec["kind"]
 
-    def make(p: int, n: int) -> Rollout:
-        return synthetic_rollout(cfg, p, n, spec["num_prompts"], group, pattern).to(device)
+    def make(mode: str, prompt_len: int = spec["prompt_len"], new_tokens: int = spec["new_tokens"]) -> Rollout:
+        pattern = None if mode == "dense" else MaskPattern(**spec["pattern"])
+        return synthetic_rollout(cfg, prompt_len, new_tokens, spec["num_prompts"], group, pattern).to(device)
 
-    kind = spec["kind"]
-
-    def step(rollout: Rollout) -> None:
+    def step(mode: str, rollout: Rollout) -> None:
         if kind == "grpo":
-            grpo_learner_step(model, rollout, spec["mode"], spec["layout"], group, kl_coef=spec["kl_coef"],
+            grpo_learner_step(model, rollout, mode, spec["layout"], group, kl_coef=spec["kl_coef"],
                               chunk_size=spec["chunk_size"])  # fmt: skip
         elif kind == "pass":
-            issue_pass(model, rollout, spec["layout"], spec["mode"] == "smd", spec["chunk_size"])
+            issue_pass(model, rollout, spec["layout"], mode == "smd", spec["chunk_size"])
         else:  # "score": score(model, rollout, shadow=...) without gradient
             with torch.no_grad():
-                score(model, rollout, shadow=spec["mode"] == "smd")
+                score(model, rollout, shadow=mode == "smd")
         _zero_grad(model)
 
-    step(make(min(prompt_len, 64), min(new_tokens, 16)))  # warm-up: lazy initialisation outside the measurement
+    return device, make, step
+
+
+def _warm_up(
+    make: Callable[..., Rollout], step: Callable[[str, Rollout], None], mode: str, spec: dict[str, Any]
+) -> None:
+    """One small step: lazy initialisation outside the measurement."""
+    step(mode, make(mode, min(spec["prompt_len"], 64), min(spec["new_tokens"], 16)))
+
+
+def _timed(device: torch.device, run: Callable[[], None]) -> float:
+    C.synchronize(device)
+    start = time.perf_counter()
+    run()
+    C.synchronize(device)
+    return time.perf_counter() - start
+
+
+def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
+    """One cell's mode, in this (fresh) process: build, warm up, one step for the peak, ``spec["repeats"]`` (may be
+    0) for the time. ``spec`` is what `cell_spec` makes."""
+    device, make, step = _cell_setup(spec)
+    mode = spec["mode"]
+    _warm_up(make, step, mode, spec)
     if spec.get("rollout_path"):  # the issue table's passes: a real rollout, sampled once by the parent
         rollout = torch.load(spec["rollout_path"], weights_only=False).to(device)
     else:
-        rollout = make(prompt_len, new_tokens)
+        rollout = make(mode)
     visible = visible_fraction(rollout)
     probe = Probe(device)
     allocator = use_allocator if spec["set_allocator"] else (lambda purpose: None)
     allocator("memory")  # the peak: one step whose freed blocks leave the resident size
     probe.start()
     base = probe.base
-    step(rollout)
+    step(mode, rollout)
     peak = probe.rise()
     allocator("timing")  # the times: the allocator a training run has
-    times = []
-    for _ in range(spec["repeats"]):
-        C.synchronize(device)
-        start = time.perf_counter()
-        step(rollout)
-        C.synchronize(device)
-        times.append(time.perf_counter() - start)
+    times = [_timed(device, lambda: step(mode, rollout)) for _ in range(spec["repeats"])]
     return {
-        "peak_bytes": peak, "median_s": statistics.median(times), "times_s": times, "visible": visible,
-        "base_bytes": base,  # resident (CPU) or allocated (CUDA) before the memory step
+        "peak_bytes": peak, "median_s": statistics.median(times) if times else None, "times_s": times,
+        "visible": visible, "base_bytes": base,  # resident (CPU) or allocated (CUDA) before the memory step
     }  # fmt: skip
+
+
+def time_cell(spec: dict[str, Any]) -> dict[str, Any]:
+    """The time of every mode of ``spec["modes"]`` in this one (fresh) process, in turns: each of ``spec["repeats"]``
+    repeats runs every mode once (the order reversed every other repeat), so that each mode's step ``i`` ran beside
+    dense's step ``i`` in the same process under the same load. Returns ``{"times_s": {mode: [seconds, ...]}}``."""
+    device, make, step = _cell_setup(spec)
+    modes = spec["modes"]
+    rollouts = {mode: make(mode) for mode in modes}
+    for mode in modes:
+        _warm_up(make, step, mode, spec)
+    if spec["set_allocator"]:
+        use_allocator("timing")
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for repeat in range(spec["repeats"]):
+        for mode in modes if repeat % 2 == 0 else modes[::-1]:
+            times[mode].append(_timed(device, lambda mode=mode: step(mode, rollouts[mode])))
+    return {"times_s": times}
 
 
 # ------------------------------------------------------------------------------------------------------ parent
@@ -461,7 +492,7 @@ def run_worker(spec: dict[str, Any], limit_bytes: int, max_seconds: float) -> di
     import per cell, but the peaks then depend on what earlier cells left in the allocator.
     """
     if spec.get("in_process"):
-        return {"status": "ok", **run_cell(spec)}
+        return {"status": "ok", **(time_cell(spec) if "modes" in spec else run_cell(spec))}
     command = [sys.executable, os.path.abspath(__file__), "--worker", json.dumps(spec)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     verdict: dict[str, Any] = {}
@@ -555,45 +586,50 @@ def run_or_skip(args: argparse.Namespace, history: list[dict[str, Any]], length:
     return {**result, "predicted_bytes": predicted, "limit_bytes": limit}
 
 
-def merge_rounds(results: list[dict[str, Any]]) -> dict[str, Any]:
-    """One cell from its rounds' worker results: the first failure if any; else the largest peak, every timed step,
-    each round's median (``round_median_s``) and their median (``median_s``), and the first round's memory guard."""
-    failed = next((r for r in results if r["status"] != "ok"), None)
-    if failed is not None:
-        return failed
-    medians = [r["median_s"] for r in results]
-    return {
-        "status": "ok", "peak_bytes": max(r["peak_bytes"] for r in results), "median_s": statistics.median(medians),
-        "round_median_s": medians, "times_s": [t for r in results for t in r["times_s"]],
-        "visible": results[0]["visible"], "base_bytes": max(r["base_bytes"] for r in results),
-        "predicted_bytes": results[0].get("predicted_bytes"), "limit_bytes": results[0].get("limit_bytes"),
-    }  # fmt: skip
+def with_times(row: dict[str, Any], times: list[float], dense_times: list[float] | None) -> dict[str, Any]:
+    """A mode's memory-worker result with its timed steps (``times_s``), their median and, beside dense's steps
+    (``dense_times``, the same count, step ``i`` beside step ``i``), the per-pair time ratios (``pair_ratios``)."""
+    row = {**row, "times_s": times, "median_s": statistics.median(times) if times else None}
+    if times and dense_times is not None:
+        row["pair_ratios"] = [mine / theirs for mine, theirs in zip(times, dense_times, strict=True)]
+    return row
 
 
 def run_grid(args: argparse.Namespace, pattern: MaskPattern, payload: dict[str, Any]) -> None:
-    """Every cell of the grid; per length and layout the modes' workers take turns for ``--rounds`` rounds (the order
-    reversed every other round), so that each mode's round ``i`` ran beside dense's: their ratio is a pair measured
-    under the same load. A mode that fails or is skipped runs no further rounds."""
+    """Every cell of the grid. Per length and layout: each mode's peak in a worker of its own (one step), then the
+    time of all modes whose peak was measured in ``--rounds`` workers, each running the modes in turns
+    (`time_cell`): every timed step of a mode has one of dense beside it, in the same process and under the same
+    load, and the time ratio is the median of those pairs."""
     for model in args.models:
         for sweep in args.sweeps:
             series: dict[tuple[str, str], list[dict[str, Any]]] = {}
             for length in args.lengths:
                 prompt_len, new_tokens = (length, args.short) if sweep == "prompt" else (args.short, length)
                 for layout in args.layouts:
-                    rounds: dict[str, list[dict[str, Any]]] = {mode: [] for mode in args.modes}
-                    for turn in range(args.rounds):
-                        for mode in args.modes if turn % 2 == 0 else args.modes[::-1]:
-                            done = rounds[mode]
-                            if done and done[-1]["status"] != "ok":
-                                continue
-                            spec = cell_spec(args, model, mode, layout, prompt_len, new_tokens, pattern)
-                            done.append(run_or_skip(args, series.setdefault((mode, layout), []), length, spec))
-                            print(f"  {model} {sweep} {length} {layout} {mode} (round {turn + 1}/{args.rounds}): "
-                                  f"{_cell(done[-1])}", file=sys.stderr, flush=True)  # fmt: skip
+                    rows = {}
+                    for mode in args.modes:
+                        spec = cell_spec(args, model, mode, layout, prompt_len, new_tokens, pattern, repeats=0)
+                        rows[mode] = run_or_skip(args, series.setdefault((mode, layout), []), length, spec)
+                        print(f"  {model} {sweep} {length} {layout} {mode} peak: {_cell(rows[mode], what='memory')}",
+                              file=sys.stderr, flush=True)  # fmt: skip
+                    timed = [mode for mode in args.modes if rows[mode]["status"] == "ok"]
+                    times: dict[str, list[float]] = {mode: [] for mode in timed}
+                    for turn in range(args.rounds if timed else 0):
+                        spec = cell_spec(args, model, timed[0], layout, prompt_len, new_tokens, pattern, modes=timed)
+                        result = run_worker(spec, memory_limit(args), args.max_seconds)
+                        if result["status"] != "ok":
+                            rows = {m: {**r, "time_status": result["status"]} if m in timed else r
+                                    for m, r in rows.items()}  # fmt: skip
+                            break
+                        for mode in timed:
+                            times[mode] += result["times_s"][mode]
+                        print(f"  {model} {sweep} {length} {layout} times (worker {turn + 1}/{args.rounds}): "
+                              + ", ".join(f"{m} {statistics.median(t):.3g} s" for m, t in result["times_s"].items()),
+                              file=sys.stderr, flush=True)  # fmt: skip
                     for mode in args.modes:
                         row = {"model": model, "sweep": sweep, "length": length, "prompt_len": prompt_len,
                                "new_tokens": new_tokens, "mode": mode, "layout": layout,
-                               **merge_rounds(rounds[mode])}  # fmt: skip
+                               **with_times(rows[mode], times.get(mode, []), times.get("dense"))}  # fmt: skip
                         series[(mode, layout)].append(row)
                         payload["results"].append(row)
                     C.write_json(args.json, payload)
@@ -607,15 +643,15 @@ def _cell(row: dict[str, Any] | None, dense: dict[str, Any] | None = None, what:
         return "n/a"
     if row["status"] != "ok":
         return row["status"]
-    memory, seconds = f"{row['peak_bytes'] / 2**20:.0f} MiB", f"{row['median_s']:.3g} s"
+    memory = f"{row['peak_bytes'] / 2**20:.0f} MiB"
+    seconds = row.get("time_status", "not timed") if row.get("median_s") is None else f"{row['median_s']:.3g} s"
     if dense is not None and dense.get("status") == "ok" and dense is not row:
         if dense["peak_bytes"] >= 2**20:  # below a MiB the RSS rise is page noise
             memory += f" ({row['peak_bytes'] / dense['peak_bytes']:.2f}x)"
-        mine, theirs = row.get("round_median_s", []), dense.get("round_median_s", [])
-        if len(mine) >= 2 and len(mine) == len(theirs):  # each round's ratio to dense's beside it: median, range
-            ratios = sorted(a / b for a, b in zip(mine, theirs, strict=True))
-            seconds += f" ({statistics.median(ratios):.2f}x; rounds {ratios[0]:.2f}-{ratios[-1]:.2f}x)"
-        else:
+        ratios = sorted(row.get("pair_ratios", []))
+        if len(ratios) > 1:  # each step's ratio to the dense step beside it: median, range
+            seconds += f" ({statistics.median(ratios):.2f}x; pairs {ratios[0]:.2f}-{ratios[-1]:.2f}x)"
+        elif row.get("median_s") is not None and dense.get("median_s"):
             seconds += f" ({row['median_s'] / dense['median_s']:.2f}x)"
     return {"memory": memory, "time": seconds, "both": f"{memory}, {seconds}"}[what]
 
@@ -765,10 +801,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kl-coef", type=float, default=0.1, help="SMD's lambda")
     parser.add_argument("--chunk-size", type=int, default=1024, help="logits_chunk_size of the head and the KL")
     parser.add_argument("--dtype", choices=list(C.DTYPES), default="float32")
-    parser.add_argument("--repeats", type=int, default=1, help="timed steps per worker (after the warm-up and the "
-                        "memory step)")
-    parser.add_argument("--rounds", type=int, default=1, help="workers per cell, the modes taking turns: each mode's "
-                        "time ratio is then the median of its rounds' ratios to dense's, with their range")
+    parser.add_argument("--repeats", type=int, default=1, help="timed steps per mode in each timing worker (the modes "
+                        "taking turns; the issue table: per worker, after the memory step)")
+    parser.add_argument("--rounds", type=int, default=1, help="timing workers per cell (the grid)")
     parser.add_argument("--max-seconds", type=float, default=600.0, help="wall limit of one cell's worker")
     parser.add_argument("--memory-limit-gib", type=float, default=None,
                         help="a worker's resident limit (default: MemAvailable minus the margin, read per cell)")
@@ -804,7 +839,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
     if args.worker is not None:
-        print(json.dumps(run_cell(json.loads(args.worker))))
+        spec = json.loads(args.worker)
+        print(json.dumps(time_cell(spec) if "modes" in spec else run_cell(spec)))
         return {}
     if args.quick:
         args = build_parser().parse_args(QUICK + argv)
@@ -824,6 +860,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     payload: dict[str, Any] = {"benchmark": "long_context", "environment": env, "config": vars(args), "results": []}
     title = "# Long context: " + ("issue #28's table" if args.issue_table else "the GRPO learner step over length")
     where = "one fresh subprocess per cell"
+    if not args.issue_table:
+        where = "fresh subprocesses (one per mode for the peak, one per timing worker for the modes' times)"
     if args.in_process:
         where = "every cell in this process" + ("" if args.quick else " (--in-process)")
     print(f"{title}\n\n{C.describe(env)}; {where}\n", flush=True)
@@ -849,13 +887,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{args.kl_coef}), {args.dtype}, {args.threads} torch thread(s)"
                 f"{', activation checkpointing per layer' if args.gradient_checkpointing else ''}. "
                 f"Peak = resident high-water mark rise of one step (glibc mmap threshold 64 KiB), {where}; time = "
-                f"median of {args.repeats} further step(s) (threshold 32 MiB, as a training process has it)"
-                + (f", median over {args.rounds} rounds (one worker each), the modes taking turns" if args.rounds > 1
-                   else "")
-                + ". (x) = against dense of the same length and layout, same run"
-                + ("; with the range of the rounds' ratios (each round's to dense's beside it)" if args.rounds > 1
-                   else "")
-                + ". Times on a shared CPU are indicative.\n\n"
+                f"median of {args.repeats * args.rounds} step(s) per mode ({args.repeats} in each of {args.rounds} "
+                f"timing worker(s), one per cell, the modes taking turns; threshold 32 MiB, as a training process "
+                f"has it). (x) = against dense of the same length and layout, same run; for time the median (and "
+                f"range) of the ratios of each step to the dense step beside it. Times on a shared CPU are "
+                f"indicative.\n\n"
                 + grid_tables(payload["results"], args)
             )
     except KeyboardInterrupt:

@@ -142,7 +142,8 @@ def test_long_context_runs_with_activation_checkpointing(run_all, tmp_path, monk
     bench.main(["--quick", "--gradient-checkpointing", "--sweeps", "completion", "--lengths", "64", "--modes", "dense",
                 "smd", "--layouts", "per_row", "--json", str(out), "--markdown", str(tmp_path / "lc.md")])
     results = json.loads(out.read_text())["results"]
-    assert [r["status"] for r in results] == ["ok", "ok"] and len(enabled) == 2
+    assert [r["status"] for r in results] == ["ok", "ok"]
+    assert len(enabled) == 3  # a model per mode's memory worker, one for the timing worker
     assert "activation checkpointing per layer" in (tmp_path / "lc.md").read_text()
 
 
@@ -183,25 +184,24 @@ def test_long_context_slope_and_memory_guard(run_all):
     assert bench.predict_peak(history, 8000) == 100 + 60  # never extrapolated below linear
 
 
-def test_long_context_rounds_pair_each_mode_with_dense(run_all, tmp_path):
+def test_long_context_times_pair_each_step_with_dense(run_all, tmp_path):
     bench = importlib.import_module("bench_long_context")  # on the path while the run_all fixture holds it
-    ok = {"status": "ok", "visible": 0.5, "base_bytes": 10}
-    merged = bench.merge_rounds([{**ok, "peak_bytes": 5, "median_s": 1.0, "times_s": [1.0]},
-                                 {**ok, "peak_bytes": 7, "median_s": 3.0, "times_s": [3.0, 2.0]}])  # fmt: skip
-    assert (merged["peak_bytes"], merged["median_s"], merged["round_median_s"]) == (7, 2.0, [1.0, 3.0])
-    assert merged["times_s"] == [1.0, 3.0, 2.0]
-    killed = {"status": "killed: resident 9.0 GiB > limit"}
-    assert bench.merge_rounds([{**ok, "peak_bytes": 5, "median_s": 1.0, "times_s": [1.0]}, killed]) == killed
-    dense = {**merged, "round_median_s": [1.0, 2.0], "median_s": 1.5}
-    smd = {**merged, "round_median_s": [1.5, 2.0], "median_s": 1.75}  # round ratios 1.5 and 1.0
-    assert bench._cell(smd, dense, "time") == "1.75 s (1.25x; rounds 1.00-1.50x)"
+    ok = {"status": "ok", "visible": 0.5, "base_bytes": 10, "peak_bytes": 5}
+    dense = bench.with_times(ok, [1.0, 2.0, 4.0], None)
+    smd = bench.with_times(ok, [1.5, 2.0, 4.4], [1.0, 2.0, 4.0])  # step ratios 1.5, 1.0, 1.1
+    assert smd["pair_ratios"] == pytest.approx([1.5, 1.0, 1.1]) and smd["median_s"] == 2.0
+    assert "pair_ratios" not in dense
+    assert bench._cell(smd, dense, "time") == "2 s (1.10x; pairs 1.00-1.50x)"
+    assert bench._cell(bench.with_times(ok, [], None), dense, "time") == "not timed"
+    killed = bench.with_times({**ok, "time_status": "killed: over 600 s"}, [], None)
+    assert bench._cell(killed, dense, "time") == "killed: over 600 s"
 
     out = tmp_path / "lc.json"
-    bench.main(["--quick", "--rounds", "2", "--sweeps", "completion", "--lengths", "64", "--modes", "dense", "smd",
-                "--layouts", "per_row", "--json", str(out), "--markdown", str(tmp_path / "lc.md")])  # fmt: skip
+    bench.main(["--quick", "--rounds", "2", "--repeats", "2", "--sweeps", "completion", "--lengths", "64", "--modes",
+                "dense", "smd", "--layouts", "per_row", "--json", str(out), "--markdown", str(tmp_path / "lc.md")])
     results = json.loads(out.read_text())["results"]
-    rounds = [(r["mode"], r["status"], len(r["round_median_s"])) for r in results]
-    assert rounds == [("dense", "ok", 2), ("smd", "ok", 2)]
-    assert "rounds" in (tmp_path / "lc.md").read_text()
+    assert [(r["mode"], r["status"], len(r["times_s"])) for r in results] == [("dense", "ok", 4), ("smd", "ok", 4)]
+    assert len(results[1]["pair_ratios"]) == 4 and results[1]["peak_bytes"] >= 0
+    assert "pairs" in (tmp_path / "lc.md").read_text()
     with pytest.raises(SystemExit, match="--rounds"):
         bench.main(["--quick", "--rounds", "0", "--json", str(out), "--markdown", str(tmp_path / "lc.md")])
