@@ -430,17 +430,9 @@ def _warm_up(
     step(mode, make(mode, min(spec["prompt_len"], 64), min(spec["new_tokens"], 16)))
 
 
-def _timed(device: torch.device, run: Callable[[], None]) -> float:
-    C.synchronize(device)
-    start = time.perf_counter()
-    run()
-    C.synchronize(device)
-    return time.perf_counter() - start
-
-
 def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
-    """One cell's mode, in this (fresh) process: build, warm up, one step for the peak, ``spec["repeats"]`` (may be
-    0) for the time. ``spec`` is what `cell_spec` makes."""
+    """One cell's mode's peak, in this (fresh) process: build, warm up, one step. ``spec`` is what `cell_spec`
+    makes."""
     device, make, step = _cell_setup(spec)
     mode = spec["mode"]
     _warm_up(make, step, mode, spec)
@@ -450,18 +442,13 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
         rollout = make(mode)
     visible = visible_fraction(rollout)
     probe = Probe(device)
-    allocator = use_allocator if spec["set_allocator"] else (lambda purpose: None)
-    allocator("memory")  # the peak: one step whose freed blocks leave the resident size
+    if spec["set_allocator"]:
+        use_allocator("memory")  # freed blocks leave the resident size
     probe.start()
     base = probe.base
     step(mode, rollout)
-    peak = probe.rise()
-    allocator("timing")  # the times: the allocator a training run has
-    times = [_timed(device, lambda: step(mode, rollout)) for _ in range(spec["repeats"])]
-    return {
-        "peak_bytes": peak, "median_s": statistics.median(times) if times else None, "times_s": times,
-        "visible": visible, "base_bytes": base,  # resident (CPU) or allocated (CUDA) before the memory step
-    }  # fmt: skip
+    # base: resident (CPU) or allocated (CUDA) before the step
+    return {"peak_bytes": probe.rise(), "visible": visible, "base_bytes": base}
 
 
 def time_cell(spec: dict[str, Any]) -> dict[str, Any]:
@@ -469,8 +456,8 @@ def time_cell(spec: dict[str, Any]) -> dict[str, Any]:
     repeats runs every mode once (the order reversed every other repeat), so that each mode's step ``i`` ran beside
     dense's step ``i`` in the same process under the same load. Returns ``{"times_s": {mode: [seconds, ...]}}``."""
     device, make, step = _cell_setup(spec)
-    modes = spec["modes"]
-    rollouts = {mode: make(mode) for mode in modes}
+    modes, path = spec["modes"], spec.get("rollout_path")  # the issue table: one real rollout, two views
+    rollouts = {mode: torch.load(path, weights_only=False).to(device) if path else make(mode) for mode in modes}
     for mode in modes:
         _warm_up(make, step, mode, spec)
     if spec["set_allocator"]:
@@ -478,7 +465,11 @@ def time_cell(spec: dict[str, Any]) -> dict[str, Any]:
     times: dict[str, list[float]] = {mode: [] for mode in modes}
     for repeat in range(spec["repeats"]):
         for mode in modes if repeat % 2 == 0 else modes[::-1]:
-            times[mode].append(_timed(device, lambda mode=mode: step(mode, rollouts[mode])))
+            C.synchronize(device)
+            start = time.perf_counter()
+            step(mode, rollouts[mode])
+            C.synchronize(device)
+            times[mode].append(time.perf_counter() - start)
     return {"times_s": times}
 
 
@@ -586,13 +577,39 @@ def run_or_skip(args: argparse.Namespace, history: list[dict[str, Any]], length:
     return {**result, "predicted_bytes": predicted, "limit_bytes": limit}
 
 
-def with_times(row: dict[str, Any], times: list[float], dense_times: list[float] | None) -> dict[str, Any]:
+def with_times(
+    row: dict[str, Any], times: list[float], dense_times: list[float] | None, failed: str | None = None
+) -> dict[str, Any]:
     """A mode's memory-worker result with its timed steps (``times_s``), their median and, beside dense's steps
-    (``dense_times``, the same count, step ``i`` beside step ``i``), the per-pair time ratios (``pair_ratios``)."""
+    (``dense_times``, the same count, step ``i`` beside step ``i``), the per-pair time ratios (``pair_ratios``);
+    ``failed``: the status of a timing worker that failed (``time_status``)."""
     row = {**row, "times_s": times, "median_s": statistics.median(times) if times else None}
+    if failed is not None and row["status"] == "ok":
+        row["time_status"] = failed
     if times and dense_times is not None:
         row["pair_ratios"] = [mine / theirs for mine, theirs in zip(times, dense_times, strict=True)]
     return row
+
+
+def time_modes(args: argparse.Namespace, spec: dict[str, Any], modes: list[str], label: str):
+    """``--rounds`` timing workers (`time_cell`) for ``modes`` of the cell ``spec``: every mode's step times, and the
+    status of the first worker that failed (None when all ran)."""
+    times: dict[str, list[float]] = {mode: [] for mode in modes}
+    for turn in range(args.rounds if modes else 0):
+        result = run_worker({**spec, "modes": modes}, memory_limit(args), args.max_seconds)
+        if result["status"] != "ok":
+            return times, result["status"]
+        for mode in modes:
+            times[mode] += result["times_s"][mode]
+        print(f"  {label} times (worker {turn + 1}/{args.rounds}): "
+              + ", ".join(f"{m} {statistics.median(t):.3g} s" for m, t in result["times_s"].items()),
+              file=sys.stderr, flush=True)  # fmt: skip
+    return times, None
+
+
+def dense_times(times: dict[str, list[float]], mode: str) -> list[float] | None:
+    """The dense steps ``mode``'s steps are paired with (None for dense itself, or when dense was not timed)."""
+    return None if mode == "dense" else times.get("dense")
 
 
 def run_grid(args: argparse.Namespace, pattern: MaskPattern, payload: dict[str, Any]) -> None:
@@ -608,28 +625,17 @@ def run_grid(args: argparse.Namespace, pattern: MaskPattern, payload: dict[str, 
                 for layout in args.layouts:
                     rows = {}
                     for mode in args.modes:
-                        spec = cell_spec(args, model, mode, layout, prompt_len, new_tokens, pattern, repeats=0)
+                        spec = cell_spec(args, model, mode, layout, prompt_len, new_tokens, pattern)
                         rows[mode] = run_or_skip(args, series.setdefault((mode, layout), []), length, spec)
                         print(f"  {model} {sweep} {length} {layout} {mode} peak: {_cell(rows[mode], what='memory')}",
                               file=sys.stderr, flush=True)  # fmt: skip
                     timed = [mode for mode in args.modes if rows[mode]["status"] == "ok"]
-                    times: dict[str, list[float]] = {mode: [] for mode in timed}
-                    for turn in range(args.rounds if timed else 0):
-                        spec = cell_spec(args, model, timed[0], layout, prompt_len, new_tokens, pattern, modes=timed)
-                        result = run_worker(spec, memory_limit(args), args.max_seconds)
-                        if result["status"] != "ok":
-                            rows = {m: {**r, "time_status": result["status"]} if m in timed else r
-                                    for m, r in rows.items()}  # fmt: skip
-                            break
-                        for mode in timed:
-                            times[mode] += result["times_s"][mode]
-                        print(f"  {model} {sweep} {length} {layout} times (worker {turn + 1}/{args.rounds}): "
-                              + ", ".join(f"{m} {statistics.median(t):.3g} s" for m, t in result["times_s"].items()),
-                              file=sys.stderr, flush=True)  # fmt: skip
+                    spec = cell_spec(args, model, "dense", layout, prompt_len, new_tokens, pattern)
+                    times, failed = time_modes(args, spec, timed, f"{model} {sweep} {length} {layout}")
                     for mode in args.modes:
+                        timed_row = with_times(rows[mode], times.get(mode, []), dense_times(times, mode), failed)
                         row = {"model": model, "sweep": sweep, "length": length, "prompt_len": prompt_len,
-                               "new_tokens": new_tokens, "mode": mode, "layout": layout,
-                               **with_times(rows[mode], times.get(mode, []), times.get("dense"))}  # fmt: skip
+                               "new_tokens": new_tokens, "mode": mode, "layout": layout, **timed_row}  # fmt: skip
                         series[(mode, layout)].append(row)
                         payload["results"].append(row)
                     C.write_json(args.json, payload)
@@ -720,6 +726,21 @@ def calibration_text(calibration: dict[str, Any], pattern: MaskPattern) -> str:
 # ------------------------------------------------------------------------------------------------ issue table
 
 
+def issue_rows(args: argparse.Namespace, spec: dict[str, Any], labels: dict[str, Any]) -> list[dict[str, Any]]:
+    """The dense and the shadow view of one path of the issue table: each view's peak in a worker of its own, their
+    times side by side (`time_modes`)."""
+    rows = {}
+    for mode in ("dense", "smd"):
+        rows[mode] = run_worker({**spec, "mode": mode}, memory_limit(args), args.max_seconds)
+    label = f"issue: {labels['kind']} {labels['layout']} {labels['new_tokens']}"
+    times, failed = time_modes(args, spec, [mode for mode in rows if rows[mode]["status"] == "ok"], label)
+    out = [{**labels, "view": "shadow" if mode == "smd" else "dense",
+            **with_times(row, times.get(mode, []), dense_times(times, mode), failed)} for mode, row in rows.items()]
+    for row in out:
+        print(f"  {label} {row['view']}: {_cell(row)}", file=sys.stderr, flush=True)
+    return out
+
+
 def run_issue_table(args: argparse.Namespace, payload: dict[str, Any]) -> str:
     """Issue #28's table: one learner pass with gradient per layout and view, and ``score`` without gradient."""
     pattern = MaskPattern(budget=args.budget, window=args.window, sinks=args.sinks)
@@ -740,24 +761,17 @@ def run_issue_table(args: argparse.Namespace, payload: dict[str, Any]) -> str:
     torch.set_num_threads(threads)
     for new_tokens in args.issue_new_tokens:
         path = os.path.join(folder, f"rollout_{new_tokens}.pt")
-        for layout in LAYOUTS:
-            for mode in ("dense", "smd"):  # the dense view / the shadow view of the same compressed rollout
-                spec = cell_spec(args, "tiny", mode, layout, args.issue_prompt_len, new_tokens, pattern, kind="pass",
-                                 rollout_path=path)  # fmt: skip
-                rows.append({"kind": "pass", "layout": layout, "view": "shadow" if mode == "smd" else "dense",
-                             "new_tokens": new_tokens, **run_worker(spec, memory_limit(args), args.max_seconds)})
-                print(f"  issue: pass {layout} {mode} {new_tokens}: {_cell(rows[-1])}", file=sys.stderr, flush=True)
-                payload["results"] = rows
-                C.write_json(args.json, payload)
-    for mode in ("dense", "smd"):
-        spec = cell_spec(args, "tiny", mode, "per_row", args.issue_score_prompt_len, args.issue_score_new_tokens,
-                         pattern, kind="score")  # fmt: skip
-        rows.append({"kind": "score", "layout": "per_row", "view": "shadow" if mode == "smd" else "dense",
-                     "new_tokens": args.issue_score_new_tokens,
-                     **run_worker(spec, memory_limit(args), args.max_seconds)})  # fmt: skip
-        print(f"  issue: score {mode}: {_cell(rows[-1])}", file=sys.stderr, flush=True)
-        payload["results"] = rows
-        C.write_json(args.json, payload)
+        for layout in LAYOUTS:  # the dense view / the shadow view of the same compressed rollout
+            spec = cell_spec(args, "tiny", "dense", layout, args.issue_prompt_len, new_tokens, pattern, kind="pass",
+                             rollout_path=path)  # fmt: skip
+            rows += issue_rows(args, spec, {"kind": "pass", "layout": layout, "new_tokens": new_tokens})
+            payload["results"] = rows
+            C.write_json(args.json, payload)
+    spec = cell_spec(args, "tiny", "dense", "per_row", args.issue_score_prompt_len, args.issue_score_new_tokens,
+                     pattern, kind="score")  # fmt: skip
+    rows += issue_rows(args, spec, {"kind": "score", "layout": "per_row", "new_tokens": args.issue_score_new_tokens})
+    payload["results"] = rows
+    C.write_json(args.json, payload)
     shutil.rmtree(folder, ignore_errors=True)
 
     def find(kind: str, layout: str, view: str, new: int) -> dict[str, Any] | None:
@@ -802,7 +816,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--chunk-size", type=int, default=1024, help="logits_chunk_size of the head and the KL")
     parser.add_argument("--dtype", choices=list(C.DTYPES), default="float32")
     parser.add_argument("--repeats", type=int, default=1, help="timed steps per mode in each timing worker (the modes "
-                        "taking turns; the issue table: per worker, after the memory step)")
+                        "taking turns)")
     parser.add_argument("--rounds", type=int, default=1, help="timing workers per cell (the grid)")
     parser.add_argument("--max-seconds", type=float, default=600.0, help="wall limit of one cell's worker")
     parser.add_argument("--memory-limit-gib", type=float, default=None,
@@ -859,9 +873,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     env = C.environment(device)
     payload: dict[str, Any] = {"benchmark": "long_context", "environment": env, "config": vars(args), "results": []}
     title = "# Long context: " + ("issue #28's table" if args.issue_table else "the GRPO learner step over length")
-    where = "one fresh subprocess per cell"
-    if not args.issue_table:
-        where = "fresh subprocesses (one per mode for the peak, one per timing worker for the modes' times)"
+    where = "fresh subprocesses (one per mode for the peak, one per timing worker for the modes' times)"
     if args.in_process:
         where = "every cell in this process" + ("" if args.quick else " (--in-process)")
     print(f"{title}\n\n{C.describe(env)}; {where}\n", flush=True)
@@ -871,9 +883,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"One learner pass with gradient (the pass, the chunked log-prob head, backward of the summed "
                 f"log-probs) over a real SnapKV-then-H2O {args.budget} rollout: tiny Qwen3 (2 layers, hidden 64, "
                 f"4/2 heads, vocab 256), {args.issue_prompt_len}-token prompt x {args.num_samples} samples; and "
-                f"score() without gradient. Peak RSS rise of the pass (VmHWM), {where}; time of the "
-                f"pass (median of {args.repeats}), {args.threads} torch thread(s). Ratios: shadow view against the "
-                "dense view of the same path, same run. Times indicative: the CPU is shared.\n\n"
+                f"score() without gradient. Peak RSS rise of the pass (VmHWM), {where}; time of the pass: median "
+                f"of {args.repeats * args.rounds} per view, the two views in turns in {args.rounds} timing "
+                f"worker(s), {args.threads} torch thread(s). Ratios: shadow view against the dense view of the same "
+                "path, same run (time: the median of each pass's ratio to the dense pass beside it). Times "
+                "indicative: the CPU is shared.\n\n"
                 + run_issue_table(args, payload)
             )
         else:

@@ -147,6 +147,22 @@ def test_long_context_runs_with_activation_checkpointing(run_all, tmp_path, monk
     assert "activation checkpointing per layer" in (tmp_path / "lc.md").read_text()
 
 
+def test_long_context_issue_table_times_each_view_beside_the_dense_one(run_all, tmp_path):
+    bench = importlib.import_module("bench_long_context")  # on the path while the run_all fixture holds it
+    out = tmp_path / "issue.json"
+    bench.main(["--issue-table", "--quick", "--repeats", "2", "--issue-prompt-len", "24", "--issue-new-tokens", "12",
+                "--issue-score-prompt-len", "24", "--issue-score-new-tokens", "6", "--json", str(out), "--markdown",
+                str(tmp_path / "issue.md")])  # fmt: skip
+    rows = json.loads(out.read_text())["results"]
+    assert sorted((r["kind"], r["layout"], r["view"]) for r in rows) == sorted(
+        (kind, layout, view) for kind, layout in (("pass", "shared_prefix"), ("pass", "per_row"), ("score", "per_row"))
+        for view in ("dense", "shadow"))  # fmt: skip
+    for row in rows:
+        assert row["status"] == "ok" and len(row["times_s"]) == 2 and row["peak_bytes"] >= 0
+        assert ("pair_ratios" in row) == (row["view"] == "shadow")
+    assert "pairs" in (tmp_path / "issue.md").read_text()
+
+
 def test_long_context_synthetic_mask_follows_the_budget(run_all):
     bench = importlib.import_module("bench_long_context")  # on the path while the run_all fixture holds it
     import torch
@@ -201,7 +217,7 @@ def test_long_context_times_pair_each_step_with_dense(run_all, tmp_path):
                 "dense", "smd", "--layouts", "per_row", "--json", str(out), "--markdown", str(tmp_path / "lc.md")])
     results = json.loads(out.read_text())["results"]
     assert [(r["mode"], r["status"], len(r["times_s"])) for r in results] == [("dense", "ok", 4), ("smd", "ok", 4)]
-    assert len(results[1]["pair_ratios"]) == 4 and results[1]["peak_bytes"] >= 0
+    assert len(results[1]["pair_ratios"]) == 4 and "pair_ratios" not in results[0] and results[1]["peak_bytes"] >= 0
     assert "pairs" in (tmp_path / "lc.md").read_text()
     with pytest.raises(SystemExit, match="--rounds"):
         bench.main(["--quick", "--rounds", "0", "--json", str(out), "--markdown", str(tmp_path / "lc.md")])
