@@ -9,10 +9,10 @@ all alive at once; both sides go through the policy's one `lit_smd.losses.head.O
 as the teacher and the masked pass as the student. The teacher reuses the masked pass's prompt keys and values (the
 prompt's hidden states are the same in both views) and runs only the completions
 (`lit_smd.learner.dense_hidden_states`); in the training step the KL's chunked pass over the vocabulary also pushes
-the policy loss's gradient through the lm_head (`smd_loss_and_kl`, `lit_smd.losses.logprobs.kl_with_policy_grad`). ``"masked"`` (the SMD
-README's variant): ``KL(dense || sg[masked])``, the reverse direction with the dense pass as the student, so the
-gradient flows into a second, dense pass. The SMD repository's code uses neither (a sampled-token hinge against
-rollout log-probs); it is not reproduced.
+the policy loss's gradient through the lm_head (`smd_loss_and_kl`, `lit_smd.losses.logprobs.kl_with_policy_grad`).
+``"masked"`` (the SMD README's variant): ``KL(dense || sg[masked])``, the reverse direction with the dense pass as the
+student, so the gradient flows into a second, dense pass. The SMD repository's code uses neither (a sampled-token
+hinge against rollout log-probs); it is not reproduced.
 """
 
 from typing import Literal
