@@ -591,7 +591,9 @@ def with_times(
     return row
 
 
-def time_modes(args: argparse.Namespace, spec: dict[str, Any], modes: list[str], label: str):
+def time_modes(
+    args: argparse.Namespace, spec: dict[str, Any], modes: list[str], label: str
+) -> tuple[dict[str, list[float]], str | None]:
     """``--rounds`` timing workers (`time_cell`) for ``modes`` of the cell ``spec``: every mode's step times, and the
     status of the first worker that failed (None when all ran)."""
     times: dict[str, list[float]] = {mode: [] for mode in modes}

@@ -147,20 +147,21 @@ def fused_linear_kl(
     """Run ``ChunkedLinearLoss`` over flattened tokens through ``head`` and package the ``KLOutput``."""
     if chunk_size < 1:
         raise ValueError(f"chunk_size must be >= 1, got {chunk_size}")
-    weight, bias = head.weight, head.bias
     hidden_rows = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     weights = token_weights(mask, hidden.shape[:-1], dtype, hidden.device).reshape(-1)  # [N]
     row_weights = weights / denominator(weights, normalizer)  # [N]
-    grad_on = torch.is_grad_enabled()
-    needs_grad = tuple(grad_on and t is not None and t.requires_grad for t in (hidden_rows, weight, bias))
-    loss, stats = ChunkedLinearLoss.apply(
-        hidden_rows, weight, bias, row_weights, rows_fn, chunk_size, dtype, temperature, needs_grad, head.transform
-    )
+    loss, stats = chunked_linear_loss(hidden_rows, head, row_weights, rows_fn, chunk_size, dtype, temperature)
     return kl_output(loss, stats, weights)
 
 
 def full_kl_rows(
-    log_q: Tensor, log_p: Tensor, forward_weight: float, reverse_weight: float, need_grad: bool
+    log_q: Tensor,
+    log_p: Tensor,
+    forward_weight: float,
+    reverse_weight: float,
+    need_grad: bool,
+    scale: Tensor | None = None,
+    logprob_grad: Tensor | None = None,
 ) -> tuple[Tensor, Tensor, Tensor | None]:
     """Closed-form per-row KL terms and their gradient wrt the scaled student logits, in place.
 
@@ -170,11 +171,14 @@ def full_kl_rows(
         forward_weight: Weight of ``KL(p || q)``.
         reverse_weight: Weight of ``KL(q || p)``.
         need_grad: Whether to return the gradient.
+        scale: ``[C]`` weight ``c_i`` of each row's loss in the gradient (None: 1).
+        logprob_grad: ``[C]`` ``g_i``: the gradient also carries ``sum_i g_i * log q_i`` without its one-hot part
+            (``-g_i * q_i``; the caller adds ``g_i`` at the token's id). None: 0.
 
     Returns:
         Loss per row ``[C]``, stats per row ``[C, 3]`` (forward KL, reverse KL, student entropy), and the gradient of
-        the per-row loss wrt the scaled logits ``s = z / tau`` ``[C, V]`` (``None`` unless ``need_grad``). Three
-        ``[C, V]`` buffers are live at any time: the two inputs and ``q``.
+        ``sum_i c_i * loss_rows_i (+ g_i * log q_i)`` wrt the scaled logits ``s = z / tau`` ``[C, V]`` (``None`` unless
+        ``need_grad``). Three ``[C, V]`` buffers are live at any time: the two inputs and ``q``.
     """
     log_p.clamp_(min=torch.finfo(log_p.dtype).min)  # zero-probability teacher entries contribute 0, not NaN
     q = log_q.exp()  # [C, V]
@@ -187,13 +191,30 @@ def full_kl_rows(
     stats = torch.stack([forward_kl, reverse_kl, entropy], -1)  # [C, 3]
     if not need_grad:
         return loss_rows, stats, None
-    # w_f * (q - p) + w_r * q * (log(q/p) - RKL); skip the zero-weight term.
-    if not reverse_weight:
-        return loss_rows, stats, q.sub_(p).mul_(forward_weight)  # [C, V]
-    grad = log_ratio.add_(reverse_kl[:, None]).mul_(q).mul_(-reverse_weight)  # [C, V]
+    # c * (w_f * (q - p) + w_r * q * (log(q/p) - RKL)) - g * q, in log_ratio's buffer; skip the zero-weight terms.
+    c = q.new_ones(q.shape[0], 1) if scale is None else scale[:, None].to(q.dtype)  # [C, 1]
+    q_coef = forward_weight * c if logprob_grad is None else forward_weight * c - logprob_grad[:, None]  # [C, 1]
+    if reverse_weight:
+        grad = log_ratio.add_(reverse_kl[:, None]).mul_(q).mul_(-reverse_weight * c)  # [C, V]
+        if forward_weight or logprob_grad is not None:
+            grad.addcmul_(q, q_coef)
+    else:
+        grad = torch.mul(q, q_coef, out=log_ratio)  # [C, V]
     if forward_weight:
-        grad.add_(q.sub_(p), alpha=forward_weight)
+        grad.sub_(p.mul_(forward_weight * c))
     return loss_rows, stats, grad
+
+
+def chunked_linear_loss(
+    hidden_rows: Tensor, head: OutputHead, row_weights: Tensor, rows_fn: RowsFn, chunk_size: int,
+    dtype: torch.dtype, temperature: float,
+) -> tuple[Tensor, Tensor]:
+    """`ChunkedLinearLoss` over ``hidden_rows [N, H]`` through ``head``: ``(loss, stats [N, 3])``; the gradients are
+    computed only for the inputs that need one (none under ``no_grad``)."""
+    grad_on = torch.is_grad_enabled()
+    needs_grad = tuple(grad_on and t is not None and t.requires_grad for t in (hidden_rows, head.weight, head.bias))
+    return ChunkedLinearLoss.apply(hidden_rows, head.weight, head.bias, row_weights, rows_fn, chunk_size, dtype,
+                                   temperature, needs_grad, head.transform)  # fmt: skip
 
 
 def rowdot(a: Tensor, b: Tensor) -> Tensor:

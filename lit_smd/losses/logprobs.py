@@ -32,11 +32,11 @@ from torch import Tensor
 from lit_smd._deprecation import legacy_call
 from lit_smd.losses import _legacy
 from lit_smd.losses._fused_kl import (
-    ChunkedLinearLoss,
     KLOutput,
     check_head,
     check_kl_args,
     check_mask,
+    chunked_linear_loss,
     compute_dtype,
     denominator,
     full_kl_rows,
@@ -214,16 +214,15 @@ def kl_with_policy_grad(
         log_p = head_log_softmax(teacher_rows[rows], teacher_weight, teacher_bias, teacher_head.transform, temperature,
                                  dtype)  # fmt: skip
         kl_scale = kl_coef * row_weights[rows]  # [C]
-        loss_rows, stats, grad = _kl_rows_and_grad(log_q, log_p, forward_weight, reverse_weight, kl_scale, g[rows])
-        grad.scatter_add_(-1, flat_ids[rows, None], g[rows, None])  # [C, V] + g onehot(id)
-        return kl_scale * loss_rows, stats, grad if need_grad else None
+        loss_rows, stats, grad = full_kl_rows(log_q, log_p, forward_weight, reverse_weight, need_grad, kl_scale,
+                                              g[rows])  # fmt: skip
+        if grad is not None:
+            grad.scatter_add_(-1, flat_ids[rows, None], g[rows, None])  # [C, V] + g onehot(id)
+        return kl_scale * loss_rows, stats, grad
 
     hidden_rows = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
-    grad_on = torch.is_grad_enabled()
-    needs_grad = tuple(grad_on and t is not None and t.requires_grad for t in (hidden_rows, head.weight, head.bias))
     ones = torch.ones_like(row_weights)  # rows_fn weighs its own rows: the policy term is not the KL's mean
-    loss, stats = ChunkedLinearLoss.apply(hidden_rows, head.weight, head.bias, ones, rows_fn, chunk_size, dtype,
-                                          temperature, needs_grad, head.transform)  # fmt: skip
+    loss, stats = chunked_linear_loss(hidden_rows, head, ones, rows_fn, chunk_size, dtype, temperature)
     kl_loss = row_weights @ (stats[:, 0] * forward_weight + stats[:, 1] * reverse_weight)
     return loss, kl_output(kl_loss, stats, weights)
 
@@ -307,9 +306,9 @@ class ChunkedLogprobs(torch.autograd.Function):
             else:
                 kl_scale = grad_loss.to(dtype) * teacher.row_weights[rows]  # [C]
                 log_p = _teacher_log_p(teacher, rows, temperature, dtype)  # [C, V]
-                _, _, grad = _kl_rows_and_grad(
-                    log_q, log_p, teacher.forward_weight, teacher.reverse_weight, kl_scale, g
-                )  # [C, V]
+                _, _, grad = full_kl_rows(
+                    log_q, log_p, teacher.forward_weight, teacher.reverse_weight, True, kl_scale, g
+                )  # [C, V] without the one-hot part
                 del log_p
             grad.scatter_add_(-1, ids[rows, None], g[:, None])  # + g onehot(id)
             grad = head.transform.backward_(grad.div_(temperature), logits).to(hidden.dtype)  # [C, V] d/d projection
@@ -348,32 +347,6 @@ def _teacher_log_p(teacher: _Teacher, rows: slice, temperature: float, dtype: to
     """The teacher's ``log softmax(z_T / tau)`` ``[C, V]`` of ``rows``."""
     return head_log_softmax(teacher.hidden[rows], teacher.weight, teacher.bias, teacher.head.transform, temperature,
                             dtype)  # fmt: skip
-
-
-def _kl_rows_and_grad(
-    log_q: Tensor, log_p: Tensor, forward_weight: float, reverse_weight: float, kl_scale: Tensor, g: Tensor
-) -> tuple[Tensor, Tensor, Tensor]:
-    """The per-row KL terms ``[C]`` and stats ``[C, 3]`` of `full_kl_rows`, and
-    ``c * (w_f * (q - p) + w_r * q * (log(q / p) - RKL)) - g * q`` ``[C, V]``: the gradient with respect to the scaled
-    logits of ``sum_i c_i * KL terms_i + g_i * log q_i`` without its one-hot part, in ``log_q``'s buffer (``log_p``'s
-    is overwritten; its ``-inf`` clamped as in `full_kl_rows`)."""
-    log_p.clamp_(min=torch.finfo(log_p.dtype).min)
-    q = log_q.exp()  # [C, V]
-    entropy = -rowdot(q, log_q)  # [C]
-    grad = log_q.sub_(log_p)  # [C, V] log(q / p), in log_q's buffer
-    reverse_kl = rowdot(q, grad)  # [C]
-    p = log_p.exp_()  # [C, V] in log_p's buffer
-    forward_kl = -rowdot(p, grad)  # [C]
-    loss_rows = forward_weight * forward_kl + reverse_weight * reverse_kl  # [C]
-    stats = torch.stack([forward_kl, reverse_kl, entropy], -1)  # [C, 3]
-    if reverse_weight:
-        grad.sub_(reverse_kl[:, None]).mul_(q).mul_((reverse_weight * kl_scale)[:, None])  # [C, V]
-        grad.addcmul_(q, (forward_weight * kl_scale - g)[:, None])
-    else:
-        torch.mul(q, (forward_weight * kl_scale - g)[:, None], out=grad)  # [C, V]
-    if forward_weight:
-        grad.sub_(p.mul_((forward_weight * kl_scale)[:, None]))
-    return loss_rows, stats, grad
 
 
 def _chunks(num_rows: int, chunk_size: int) -> list[slice]:
