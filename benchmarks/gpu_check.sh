@@ -2,7 +2,7 @@
 # The GPU check: one prepared command for the lent CUDA machine (`nvidia-h200`: one H200, torch 2.11, transformers
 # 5.17, lightning, torchmetrics, triton; no datasets / jsonargparse / math-verify; no network; commands of at most
 # 10 minutes; at most 8 result files). It finishes within GPU_CHECK_SECONDS (default 470 s, under 8 minutes), every part
-# time-boxed, and writes 6 files to $OUT: log.txt, summary.md, decode.{json,md}, learner.{json,md}.
+# time-boxed, and writes 7 files to $OUT: log.txt, summary.md, tests.txt, learner.{json,md}, decode.{json,md}.
 #
 # Here (network to PyPI), once, from the repository root (.whl/ is git-ignored):
 #     python benchmarks/gpu_wheels.py download          # transformers 5.24, datasets, jsonargparse, math-verify, ...
@@ -13,11 +13,14 @@
 # Parts, each in its own process under `timeout --signal=INT` (a part cut off keeps its JSON rows and prints its table):
 #   0. wheels    install the carried wheels the machine lacks into $SITE (pip --no-index --no-deps --target), put them
 #                first on PYTHONPATH; stop here if transformers is still older than lit_smd needs
-#   1. decode    benchmarks/gpu_decode.py: decode tokens/s of lit_smd dense and SnapKV-then-H2O at 0.5 vs transformers'
+#   1. tests     pytest tests/kv/test_flex_cuda.py (skipped without CUDA): the FlexAttention learner forward and
+#                backward against SDPA, the shadow mask replayed against the CUDA sampler, a bf16 SMD fit    <= 150 s
+#   2. learner   benchmarks/gpu_learner.py: dense and SMD learner steps side by side at 8k, 7.75k and 16k
+#                completions on FlexAttention: peak memory, time, ratios to dense, compilations                <= 200 s
+#   3. decode    benchmarks/gpu_decode.py: decode tokens/s of lit_smd dense and SnapKV-then-H2O at 0.5 vs transformers'
 #                generate (dynamic cache; static cache + torch.compile), Qwen3-1.7B shape, 64 rows, 1024+1024 and
-#                8192+1024, eager and compiled; GPU memory after generate returns                            <= 310 s
-#   2. learner   benchmarks/gpu_learner.py: SMD learner step at 8k and 16k completions on FlexAttention: peak
-#                memory, time, compilations                                                                   <= 150 s
+#                8192+1024 (DECODE_ARGS replaces these flags), eager and compiled; GPU memory after generate
+#                returns                                                                                 the time left
 # Without a CUDA device (or with GPU_CHECK_TOY=1) every part runs at toy size on the CPU (`--toy`, seconds): the
 # test suite runs it so (tests/test_gpu_check.py).
 set -u
@@ -74,14 +77,22 @@ part() {  # part NAME SECONDS COMMAND...: at most SECONDS, and never past the ch
     echo "=== [$name] end ${STATUS[$name]}"
 }
 
-part decode 310 $PY benchmarks/gpu_decode.py "${ARGS[@]}" --json "$OUT/decode.json" --markdown "$OUT/decode.md"
-part learner 150 $PY benchmarks/gpu_learner.py "${ARGS[@]}" --json "$OUT/learner.json" --markdown "$OUT/learner.md"
+part tests 150 $PY -m pytest -q -p no:cacheprovider tests/kv/test_flex_cuda.py --junit-xml=/tmp/junit.xml \
+    > "$OUT/tests.txt" 2>&1
+cat "$OUT/tests.txt"
+part learner 200 $PY benchmarks/gpu_learner.py "${ARGS[@]}" --json "$OUT/learner.json" --markdown "$OUT/learner.md"
+read -r -a DECODE <<< "${DECODE_ARGS:-}"
+part decode 310 $PY benchmarks/gpu_decode.py "${ARGS[@]}" "${DECODE[@]}" --json "$OUT/decode.json" \
+    --markdown "$OUT/decode.md"
 
 {
     echo "# GPU check $(date -u +%FT%TZ)"
     echo
     grep -E "^installed [0-9]+ of|^  UNMET" "$OUT/log.txt" || echo "(no wheels installed)"
-    for name in decode learner; do
+    echo
+    echo "<!-- tests: ${STATUS[tests]:-not run} -->"
+    tail -n 5 "$OUT/tests.txt" 2>/dev/null || echo "(no test output)"
+    for name in learner decode; do
         echo
         echo "<!-- $name: ${STATUS[$name]:-not run} -->"
         if [ -f "$OUT/$name.md" ]; then cat "$OUT/$name.md"; else echo "($name wrote no table; see log.txt)"; fi
@@ -89,5 +100,5 @@ part learner 150 $PY benchmarks/gpu_learner.py "${ARGS[@]}" --json "$OUT/learner
 } > "$OUT/summary.md"
 echo
 echo "=== summary (total $(elapsed)s)"
-for name in decode learner; do echo "$name: ${STATUS[$name]:-not run}"; done
+for name in tests learner decode; do echo "$name: ${STATUS[$name]:-not run}"; done
 exit 0

@@ -1,16 +1,19 @@
-"""GPU check, learner: one SMD GRPO learner step at long completions: peak memory, time and compilations.
+"""GPU check, learner: the GRPO learner step at long completions, SMD against dense side by side: peak memory, time
+and compilations.
 
 The model of `gpu_decode` (Qwen3-1.7B shape, random weights, bfloat16). One prompt of ``--prompt`` tokens with
-``--group`` completions of each length in ``--lengths`` (default 8192 and 16384 tokens), a synthetic SnapKV-then-H2O
+``--group`` completions of each length in ``--lengths`` (default 8192, 7936 and 16384 tokens: 7936 falls in 8192's
+width buckets, so its steps show whether a new width reuses the compiled kernels), a synthetic SnapKV-then-H2O
 shadow mask (every key of every layer, row and KV head lives an exponentially distributed number of steps of mean
 ``--budget`` x the sequence length, at least ``--window``; prompt keys live at least to the end of the prompt; 4
-sinks are never evicted), rewards 0/1. Per length, two learner steps as a training step runs them
-(`GRPOModule.make_experience`, ``training_step`` in SMD mode: the shadow-masked pass, the no-grad dense teacher and the
-KL, then ``backward``), on the learner's default path: shared-prefix layout, FlexAttention on CUDA (``"auto"``), SDPA
-on the CPU. Per step: wall time (CUDA synchronised), the rise of ``max_memory_allocated`` over the memory allocated
-before it (CUDA), and compilations: TorchDynamo's count of compiled graphs (``torch._dynamo.utils.counters``), and
-lit_smd's own counter when `lit_smd.kv.flex` has one (a public callable with "compil" in its name returning an int),
-else 'n/a'. The first step of a length includes its compilations, the second shows whether they are reused.
+sinks are never evicted), rewards 0/1. Per length, ``--steps`` rounds of one learner step per mode in ``--modes``
+(default dense, then smd), as a training step runs them (`GRPOModule.make_experience`, ``training_step``, then
+``backward``; SMD: the shadow-masked pass, the no-grad dense teacher and the KL), on the learner's default path:
+shared-prefix layout, FlexAttention on CUDA (``"auto"``), SDPA on the CPU. Per step: wall time (CUDA
+synchronised), the rise of ``max_memory_allocated`` over the memory allocated before it (CUDA), the ratio of both to
+the dense step of the same round, and compilations: TorchDynamo's count of compiled graphs
+(``torch._dynamo.utils.counters``) and `lit_smd.kv.flex.flex_compilations`. The first round of a length includes its
+compilations, the later ones show whether they are reused.
 
 ``--toy``: tiny Qwen3, float32, prompt 16, completions 32 and 64 (seconds on the CPU).
 """
@@ -18,6 +21,7 @@ else 'n/a'. The first step of a length includes its compilations, the second sho
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import sys
 import time
@@ -33,20 +37,6 @@ from lit_smd.datamodules import ScoredRollout
 from lit_smd.kv.shadow import NEVER, ShadowMask
 from lit_smd.modules import GRPOModule
 from lit_smd.rollout import Rollout
-
-
-def lit_smd_compile_counter():
-    """lit_smd's compilation counter in `lit_smd.kv.flex`, if it has one (else None)."""
-    for name in sorted(dir(flex)):
-        value = getattr(flex, name)
-        if "compil" in name.lower() and not name.startswith("_") and callable(value):
-            try:
-                count = value()
-            except TypeError:
-                continue
-            if isinstance(count, int):
-                return value
-    return None
 
 
 def dynamo_graphs() -> int:
@@ -79,9 +69,9 @@ def synthetic_rollout(config, prompt: int, new: int, group: int, args, device) -
     )
 
 
-def step(module: GRPOModule, rollout: Rollout, group: int, device: torch.device, counter) -> dict[str, Any]:
+def step(module: GRPOModule, rollout: Rollout, group: int, device: torch.device) -> dict[str, Any]:
     """One learner step: time, peak memory rise (CUDA) and compilations during it."""
-    graphs, own = dynamo_graphs(), None if counter is None else counter()
+    graphs, own = dynamo_graphs(), flex.flex_compilations()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
@@ -94,19 +84,32 @@ def step(module: GRPOModule, rollout: Rollout, group: int, device: torch.device,
     C.synchronize(device)
     row = {"time_s": time.perf_counter() - start, "loss": float(loss.detach())}
     row["dynamo_graphs"] = dynamo_graphs() - graphs
-    row["lit_smd_compilations"] = None if counter is None else counter() - own
+    row["lit_smd_compilations"] = flex.flex_compilations() - own
     if device.type == "cuda":
         row["peak_bytes"] = torch.cuda.max_memory_allocated(device) - base
     module.policy.zero_grad(set_to_none=True)
     return row
 
 
+def with_ratios(results: list[dict[str, Any]]) -> None:
+    """Each row's ``time_ratio`` / ``peak_ratio``: its time and peak over the dense row of the same length and round."""
+    dense = {(r["new"], r["step"]): r for r in results if r["mode"] == "dense" and r["status"] == "ok"}
+    for row in results:
+        base = dense.get((row["new"], row["step"]))
+        for key in ("time", "peak"):
+            value, reference = row.get(f"{key}_s" if key == "time" else "peak_bytes"), None
+            if base is not None:
+                reference = base.get(f"{key}_s" if key == "time" else "peak_bytes")
+            row[f"{key}_ratio"] = value / reference if value is not None and reference else None
+
+
 def _table(results: list[dict[str, Any]]) -> str:
-    lines = [[r["prompt"], r["new"], r["group"], r["step"], C.fmt(r.get("time_s"), ".2f"), C.mib(r.get("peak_bytes")),
+    lines = [[r["prompt"], r["new"], r["group"], r["step"], r["mode"], C.fmt(r.get("time_s"), ".2f"),
+              C.fmt(r.get("time_ratio"), ".2f"), C.mib(r.get("peak_bytes")), C.fmt(r.get("peak_ratio"), ".2f"),
               r.get("dynamo_graphs", "n/a"), C.fmt(r.get("lit_smd_compilations"), "d"), r["status"]]
              for r in results]  # fmt: skip
-    headers = ["prompt", "completion", "G", "step", "time s", "peak MiB", "dynamo graphs compiled",
-               "lit_smd compilations", "status"]  # fmt: skip
+    headers = ["prompt", "completion", "G", "round", "mode", "time s", "time x dense", "peak MiB", "peak x dense",
+               "dynamo graphs compiled", "flex compilations", "status"]  # fmt: skip
     return C.markdown_table(headers, lines)
 
 
@@ -115,9 +118,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--device", default="auto")
     parser.add_argument("--toy", action="store_true")
     parser.add_argument("--prompt", type=int, default=None, help="default 1024 (toy 16)")
-    parser.add_argument("--lengths", type=int, nargs="+", default=None, help="completions; default 8192 16384")
+    parser.add_argument("--lengths", type=int, nargs="+", default=None, help="completions; default 8192 7936 16384")
     parser.add_argument("--group", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=2, help="learner steps per length")
+    parser.add_argument("--modes", nargs="+", default=["dense", "smd"], choices=["dense", "naive", "smd"])
+    parser.add_argument("--steps", type=int, default=2, help="rounds (one learner step per mode) per length")
     parser.add_argument("--budget", type=float, default=0.5)
     parser.add_argument("--window", type=int, default=None, help="default 32 (toy 4)")
     C.add_output_flags(parser)
@@ -129,45 +133,51 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     device = C.resolve_device(args.device)
     toy = args.toy
     args.prompt, args.window = args.prompt or (16 if toy else 1024), args.window or (4 if toy else 32)
-    args.lengths = args.lengths or ([32, 64] if toy else [8192, 16384])
+    args.lengths = args.lengths or ([32, 64] if toy else [8192, 7936, 16384])
     dtype = torch.float32 if toy else torch.bfloat16
     policy = build(TOY if toy else QWEN3_1_7B, dtype, device, args.prompt + max(args.lengths))
     policy.config.use_cache = False
     compressor = C.make_compressor("prefill_then_decode", args.budget, window=args.window, sinks=4)
-    module = GRPOModule(policy, mode="smd", compressor=compressor)
-    counter = lit_smd_compile_counter()
+    modules = {mode: GRPOModule(policy, mode=mode, compressor=None if mode == "dense" else compressor)
+               for mode in args.modes}  # fmt: skip
     warnings.filterwarnings("ignore", message=".*self.log.*")  # training_step outside a Trainer: nothing to log to
     env = C.environment(device)
-    counter_name = None if counter is None else counter.__name__
-    payload: dict[str, Any] = {"benchmark": "gpu_learner", "environment": env, "config": vars(args),
-                               "lit_smd_counter": counter_name, "results": []}  # fmt: skip
-    print(f"# Learner\n\n{C.describe(env)}; {'toy' if toy else 'Qwen3-1.7B shape'}, {dtype}; lit_smd compile counter: "
-          f"{payload['lit_smd_counter'] or 'n/a'}", flush=True)  # fmt: skip
+    payload: dict[str, Any] = {"benchmark": "gpu_learner", "environment": env, "config": vars(args), "results": []}
+    print(f"# Learner\n\n{C.describe(env)}; {'toy' if toy else 'Qwen3-1.7B shape'}, {dtype}", flush=True)
     try:
         for new in args.lengths:
             rollout = synthetic_rollout(policy.config, args.prompt, new, args.group, args, device)
+            dense_rollout = dataclasses.replace(rollout, shadow_mask=None)  # a dense sampler's rollout
+            failed = False
             for index in range(1, args.steps + 1):
-                row: dict[str, Any] = {"prompt": args.prompt, "new": new, "group": args.group, "step": index}
-                try:
-                    row.update(step(module, rollout, args.group, device, counter), status="ok")
-                except torch.OutOfMemoryError as error:
-                    row["status"] = f"out of memory: {str(error).splitlines()[0][:80]}"
-                    policy.zero_grad(set_to_none=True)
-                payload["results"].append(row)
-                C.write_json(args.json, payload)
-                print(f"  {args.prompt}+{args.group}x{new} step {index}: {C.fmt(row.get('time_s'), '.2f')} s "
-                      f"({row['status']})", file=sys.stderr, flush=True)  # fmt: skip
-                gc.collect()
-                if device.type == "cuda":
-                    torch.cuda.empty_cache()
-                if row["status"] != "ok":
+                for mode, module in modules.items():
+                    row: dict[str, Any] = {"prompt": args.prompt, "new": new, "group": args.group, "step": index,
+                                           "mode": mode}  # fmt: skip
+                    try:
+                        sampled = dense_rollout if mode == "dense" else rollout
+                        row.update(step(module, sampled, args.group, device), status="ok")
+                    except torch.OutOfMemoryError as error:
+                        row["status"] = f"out of memory: {str(error).splitlines()[0][:80]}"
+                        policy.zero_grad(set_to_none=True)
+                        failed = True
+                    payload["results"].append(row)
+                    with_ratios(payload["results"])
+                    C.write_json(args.json, payload)
+                    print(f"  {args.prompt}+{args.group}x{new} round {index} {mode}: {C.fmt(row.get('time_s'), '.2f')}"
+                          f" s, {C.mib(row.get('peak_bytes'))} MiB, {row.get('lit_smd_compilations')} flex "
+                          f"compilations ({row['status']})", file=sys.stderr, flush=True)  # fmt: skip
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                if failed:
                     break
     except KeyboardInterrupt:
         C.interrupted(payload, args.json)
     text = _table(payload["results"]) + (
-        "\n\nOne SMD learner step = make_experience + training_step (masked pass, dense teacher, KL) + backward, "
-        "shared-prefix layout, backend auto (FlexAttention on CUDA). peak MiB = max_memory_allocated rise over the "
-        "step (CUDA). dynamo graphs = graphs TorchDynamo compiled during the step."
+        "\n\nOne learner step = make_experience + training_step + backward (SMD: masked pass, dense teacher, KL), "
+        "shared-prefix layout, backend auto (FlexAttention on CUDA), modes in turns. peak MiB = max_memory_allocated "
+        "rise over the step (CUDA). x dense = over the dense step of the same length and round. dynamo graphs = "
+        "graphs TorchDynamo compiled during the step; flex compilations = lit_smd.kv.flex.flex_compilations' rise."
     )
     print(text)
     C.write_markdown(args.markdown, "# Learner\n\n" + C.describe(env) + "\n\n" + text)

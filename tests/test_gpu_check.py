@@ -89,7 +89,8 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_fallback(tmp_path):
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["decode.json", "decode.md", "learner.json", "learner.md", "log.txt", "summary.md"]
+    assert files == ["decode.json", "decode.md", "learner.json", "learner.md", "log.txt", "summary.md", "tests.txt"]
+    assert "skipped" in (out / "tests.txt").read_text()  # the CUDA tests, collected and skipped without a GPU
     assert (site / "gpu_check_probe" / "__init__.py").is_file()  # the carried wheel went to the site folder
 
     decode = json.loads((out / "decode.json").read_text())
@@ -103,11 +104,16 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_fallback(tmp_path):
     assert all(rows[(s, v)]["cache_alive_after_return"] in (True, False) for s, v in rows if v in ("lit_dense",))
 
     learner = json.loads((out / "learner.json").read_text())
-    assert [(r["new"], r["step"], r["status"]) for r in learner["results"]] == [
-        (32, 1, "ok"), (32, 2, "ok"), (64, 1, "ok"), (64, 2, "ok"),
-    ]  # fmt: skip
-    assert all(r["time_s"] > 0 and r["dynamo_graphs"] >= 0 for r in learner["results"])
+    assert [(r["new"], r["step"], r["mode"], r["status"]) for r in learner["results"]] == [
+        (new, step, mode, "ok") for new in (32, 64) for step in (1, 2) for mode in ("dense", "smd")
+    ]
+    for row in learner["results"]:
+        assert row["time_s"] > 0 and row["dynamo_graphs"] >= 0 and row["lit_smd_compilations"] == 0, row
+        assert row["mode"] == "smd" or row["time_ratio"] == 1.0
+    smd = [r for r in learner["results"] if r["mode"] == "smd"]
+    dense = {(r["new"], r["step"]): r["time_s"] for r in learner["results"] if r["mode"] == "dense"}
+    assert all(r["time_ratio"] == pytest.approx(r["time_s"] / dense[r["new"], r["step"]]) for r in smd)
 
     summary = (out / "summary.md").read_text()
     assert "# Decode" in summary and "# Learner" in summary and "installed 1 of 1 carried wheels" in summary
-    assert "decode: rc=0" in done.stdout and "learner: rc=0" in done.stdout
+    assert "decode: rc=0" in done.stdout and "learner: rc=0" in done.stdout and "tests: rc=" in done.stdout

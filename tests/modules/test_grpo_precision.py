@@ -48,7 +48,9 @@ def mixed_length_prompts():
     return interleave_datasets([short, long])
 
 
-def train_bf16(policy, tokenizer, mode: str, *, lr: float, num_iterations: int, minibatch_size: int | None, steps: int):
+def train_bf16(
+    policy, tokenizer, mode: str, *, lr: float, num_iterations: int, minibatch_size: int | None, steps: int, **trainer
+):
     module = GRPOModule(
         policy,
         mode=mode,
@@ -67,7 +69,7 @@ def train_bf16(policy, tokenizer, mode: str, *, lr: float, num_iterations: int, 
         use_chat_template=False,
     )
     recorder = StepMetrics()
-    make_trainer(max_steps=steps, callbacks=[recorder], log_every_n_steps=1).fit(module, data)
+    make_trainer(max_steps=steps, callbacks=[recorder], log_every_n_steps=1, **trainer).fit(module, data)
     return recorder.steps
 
 
