@@ -8,8 +8,9 @@ shadow mask (every key of every layer, row and KV head lives an exponentially di
 ``--budget`` x the sequence length, at least ``--window``; prompt keys live at least to the end of the prompt; 4
 sinks are never evicted), rewards 0/1. Per length, ``--steps`` rounds of one learner step per mode in ``--modes``
 (default dense, then smd), as a training step runs them (`GRPOModule.make_experience`, ``training_step``, then
-``backward``; SMD: the shadow-masked pass, the no-grad dense teacher and the KL), on the learner's default path:
-shared-prefix layout, FlexAttention on CUDA (``"auto"``), SDPA on the CPU. Per step: wall time (CUDA
+``backward``; SMD: the shadow-masked pass, the no-grad dense teacher and the KL), in each layout of ``--layouts``
+(default shared prefix, then per row, as ``score()``, fallback rows and FSDP2 run), backend ``"auto"``:
+FlexAttention on CUDA, SDPA on the CPU. Per step: wall time (CUDA
 synchronised), the rise of ``max_memory_allocated`` over the memory allocated before it (CUDA), the ratio of both to
 the dense step of the same round, and compilations: TorchDynamo's count of compiled graphs
 (``torch._dynamo.utils.counters``) and `lit_smd.kv.flex.flex_compilations`. The first round of a length includes its
@@ -92,10 +93,11 @@ def step(module: GRPOModule, rollout: Rollout, group: int, device: torch.device)
 
 
 def with_ratios(results: list[dict[str, Any]]) -> None:
-    """Each row's ``time_ratio`` / ``peak_ratio``: its time and peak over the dense row of the same length and round."""
-    dense = {(r["new"], r["step"]): r for r in results if r["mode"] == "dense" and r["status"] == "ok"}
+    """Each row's ``time_ratio`` / ``peak_ratio``: its time and peak over the dense row of the same layout, length and
+    round."""
+    dense = {(r["layout"], r["new"], r["step"]): r for r in results if r["mode"] == "dense" and r["status"] == "ok"}
     for row in results:
-        base = dense.get((row["new"], row["step"]))
+        base = dense.get((row["layout"], row["new"], row["step"]))
         for key in ("time", "peak"):
             value, reference = row.get(f"{key}_s" if key == "time" else "peak_bytes"), None
             if base is not None:
@@ -104,12 +106,12 @@ def with_ratios(results: list[dict[str, Any]]) -> None:
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    lines = [[r["prompt"], r["new"], r["group"], r["step"], r["mode"], C.fmt(r.get("time_s"), ".2f"),
+    lines = [[r["layout"], r["prompt"], r["new"], r["group"], r["step"], r["mode"], C.fmt(r.get("time_s"), ".2f"),
               C.fmt(r.get("time_ratio"), ".2f"), C.mib(r.get("peak_bytes")), C.fmt(r.get("peak_ratio"), ".2f"),
               r.get("dynamo_graphs", "n/a"), C.fmt(r.get("lit_smd_compilations"), "d"), r["status"]]
              for r in results]  # fmt: skip
-    headers = ["prompt", "completion", "G", "round", "mode", "time s", "time x dense", "peak MiB", "peak x dense",
-               "dynamo graphs compiled", "flex compilations", "status"]  # fmt: skip
+    headers = ["layout", "prompt", "completion", "G", "round", "mode", "time s", "time x dense", "peak MiB",
+               "peak x dense", "dynamo graphs compiled", "flex compilations", "status"]  # fmt: skip
     return C.markdown_table(headers, lines)
 
 
@@ -120,6 +122,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt", type=int, default=None, help="default 1024 (toy 16)")
     parser.add_argument("--lengths", type=int, nargs="+", default=None, help="completions; default 8192 7936 16384")
     parser.add_argument("--group", type=int, default=2)
+    parser.add_argument("--layouts", nargs="+", default=["shared_prefix", "per_row"],
+                        choices=["shared_prefix", "per_row"])  # fmt: skip
     parser.add_argument("--modes", nargs="+", default=["dense", "smd"], choices=["dense", "naive", "smd"])
     parser.add_argument("--steps", type=int, default=2, help="rounds (one learner step per mode) per length")
     parser.add_argument("--budget", type=float, default=0.5)
@@ -138,21 +142,23 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     policy = build(TOY if toy else QWEN3_1_7B, dtype, device, args.prompt + max(args.lengths))
     policy.config.use_cache = False
     compressor = C.make_compressor("prefill_then_decode", args.budget, window=args.window, sinks=4)
-    modules = {mode: GRPOModule(policy, mode=mode, compressor=None if mode == "dense" else compressor)
-               for mode in args.modes}  # fmt: skip
+    modules = {(layout, mode): GRPOModule(policy, mode=mode, compressor=None if mode == "dense" else compressor,
+                                          learner_layout=layout).to(device)  # make_experience moves the batch there
+               for layout in args.layouts for mode in args.modes}  # fmt: skip
     warnings.filterwarnings("ignore", message=".*self.log.*")  # training_step outside a Trainer: nothing to log to
     env = C.environment(device)
     payload: dict[str, Any] = {"benchmark": "gpu_learner", "environment": env, "config": vars(args), "results": []}
     print(f"# Learner\n\n{C.describe(env)}; {'toy' if toy else 'Qwen3-1.7B shape'}, {dtype}", flush=True)
     try:
-        for new in args.lengths:
+        for (layout, new) in [(layout, new) for layout in args.layouts for new in args.lengths]:
             rollout = synthetic_rollout(policy.config, args.prompt, new, args.group, args, device)
             dense_rollout = dataclasses.replace(rollout, shadow_mask=None)  # a dense sampler's rollout
             failed = False
             for index in range(1, args.steps + 1):
-                for mode, module in modules.items():
-                    row: dict[str, Any] = {"prompt": args.prompt, "new": new, "group": args.group, "step": index,
-                                           "mode": mode}  # fmt: skip
+                for mode in args.modes:
+                    module = modules[layout, mode]
+                    row: dict[str, Any] = {"layout": layout, "prompt": args.prompt, "new": new, "group": args.group,
+                                           "step": index, "mode": mode}  # fmt: skip
                     try:
                         sampled = dense_rollout if mode == "dense" else rollout
                         row.update(step(module, sampled, args.group, device), status="ok")
@@ -163,9 +169,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     payload["results"].append(row)
                     with_ratios(payload["results"])
                     C.write_json(args.json, payload)
-                    print(f"  {args.prompt}+{args.group}x{new} round {index} {mode}: {C.fmt(row.get('time_s'), '.2f')}"
-                          f" s, {C.mib(row.get('peak_bytes'))} MiB, {row.get('lit_smd_compilations')} flex "
-                          f"compilations ({row['status']})", file=sys.stderr, flush=True)  # fmt: skip
+                    print(f"  {layout} {args.prompt}+{args.group}x{new} round {index} {mode}: "
+                          f"{C.fmt(row.get('time_s'), '.2f')} s, {C.mib(row.get('peak_bytes'))} MiB, "
+                          f"{row.get('lit_smd_compilations')} flex compilations ({row['status']})",
+                          file=sys.stderr, flush=True)  # fmt: skip
                     gc.collect()
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
@@ -175,9 +182,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         C.interrupted(payload, args.json)
     text = _table(payload["results"]) + (
         "\n\nOne learner step = make_experience + training_step + backward (SMD: masked pass, dense teacher, KL), "
-        "shared-prefix layout, backend auto (FlexAttention on CUDA), modes in turns. peak MiB = max_memory_allocated "
-        "rise over the step (CUDA). x dense = over the dense step of the same length and round. dynamo graphs = "
-        "graphs TorchDynamo compiled during the step; flex compilations = lit_smd.kv.flex.flex_compilations' rise."
+        "backend auto (FlexAttention on CUDA), modes in turns. peak MiB = max_memory_allocated rise over the step "
+        "(CUDA). x dense = over the dense step of the same layout, length and round. dynamo graphs = graphs "
+        "TorchDynamo compiled during the step; flex compilations = lit_smd.kv.flex.flex_compilations' rise."
     )
     print(text)
     C.write_markdown(args.markdown, "# Learner\n\n" + C.describe(env) + "\n\n" + text)

@@ -104,15 +104,16 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_fallback(tmp_path):
     assert all(rows[(s, v)]["cache_alive_after_return"] in (True, False) for s, v in rows if v in ("lit_dense",))
 
     learner = json.loads((out / "learner.json").read_text())
-    assert [(r["new"], r["step"], r["mode"], r["status"]) for r in learner["results"]] == [
-        (new, step, mode, "ok") for new in (32, 64) for step in (1, 2) for mode in ("dense", "smd")
-    ]
+    assert [(r["layout"], r["new"], r["step"], r["mode"], r["status"]) for r in learner["results"]] == [
+        (layout, new, step, mode, "ok") for layout in ("shared_prefix", "per_row") for new in (32, 64)
+        for step in (1, 2) for mode in ("dense", "smd")
+    ]  # fmt: skip
     for row in learner["results"]:
         assert row["time_s"] > 0 and row["dynamo_graphs"] >= 0 and row["lit_smd_compilations"] == 0, row
         assert row["mode"] == "smd" or row["time_ratio"] == 1.0
     smd = [r for r in learner["results"] if r["mode"] == "smd"]
-    dense = {(r["new"], r["step"]): r["time_s"] for r in learner["results"] if r["mode"] == "dense"}
-    assert all(r["time_ratio"] == pytest.approx(r["time_s"] / dense[r["new"], r["step"]]) for r in smd)
+    dense = {(r["layout"], r["new"], r["step"]): r["time_s"] for r in learner["results"] if r["mode"] == "dense"}
+    assert all(r["time_ratio"] == pytest.approx(r["time_s"] / dense[r["layout"], r["new"], r["step"]]) for r in smd)
 
     summary = (out / "summary.md").read_text()
     assert "# Decode" in summary and "# Learner" in summary and "installed 1 of 1 carried wheels" in summary

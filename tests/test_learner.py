@@ -65,7 +65,7 @@ def _logprobs_and_grads(model, rollout, hidden_fn):
     logprobs = torch.log_softmax(model.get_output_embeddings()(hidden), dim=-1)
     logprobs = logprobs.gather(-1, rollout.completion_ids[..., None]).squeeze(-1)
     logprobs = logprobs.masked_fill(~rollout.completion_mask, 0)
-    weights = torch.linspace(-1.0, 2.0, logprobs.numel()).view_as(logprobs).to(logprobs.dtype)
+    weights = torch.linspace(-1.0, 2.0, logprobs.numel()).view_as(logprobs).to(logprobs)
     (logprobs * weights).sum().backward()
     grads = {name: p.grad.clone() for name, p in model.named_parameters() if p.grad is not None}
     return logprobs.detach(), grads

@@ -65,10 +65,13 @@ class RolloutStream:
     """
 
     def __init__(self, datamodule: RolloutSource, learner: RolloutLearner, rank: int = 0, world_size: int = 1):
-        if not isinstance(learner, RolloutLearner):
+        # hasattr, not isinstance(learner, RolloutLearner): from Python 3.12 a runtime protocol looks attributes up
+        # statically, which misses an nn.Module's submodules (``policy``) and so refused every GRPOModule.
+        missing = [name for name in RolloutLearner.__annotations__ if not hasattr(learner, name)]
+        if missing:
             raise TypeError(
-                f"{type(learner).__name__} cannot drive on-policy rollouts: it needs `policy`, `compressor`, "
-                "`temperature` (see lit_smd.datamodules.RolloutLearner)"
+                f"{type(learner).__name__} cannot drive on-policy rollouts: it has no {', '.join(missing)} (it needs "
+                "`policy`, `compressor`, `temperature`; see lit_smd.datamodules.RolloutLearner)"
             )
         self.datamodule = datamodule
         self.learner = learner

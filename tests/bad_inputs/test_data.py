@@ -244,6 +244,25 @@ def test_rollout_lengths_are_checked_against_the_context_and_memory(context, kwa
         RolloutStream(data, GRPOModule(policy, mode="dense"))
 
 
+class _NoTemperature(torch.nn.Module):
+    """A LightningModule-like learner with a policy submodule and a compressor, but no sampling temperature."""
+
+    def __init__(self, policy: torch.nn.Module) -> None:
+        super().__init__()
+        self.policy, self.compressor = policy, None
+
+
+def test_a_learner_missing_a_rollout_attribute_is_refused_by_name(tokenizer):
+    """The check reads attributes as Python does (``policy`` is an nn.Module submodule, found by ``__getattr__``):
+    Python 3.12's static protocol lookup refused every GRPOModule. Here only ``temperature`` is missing."""
+    data = RolloutDataModule(PROMPTS, tokenizer, [zero_reward], prompts_per_step=2, num_generations=2,
+                             use_chat_template=False)  # fmt: skip
+    policy = build_tiny_model("qwen3", tokenizer=tokenizer)
+    with pytest.raises(TypeError, match=r"^_NoTemperature cannot drive on-policy rollouts: it has no temperature \("):
+        RolloutStream(data, _NoTemperature(policy))
+    RolloutStream(data, GRPOModule(policy, mode="dense"))  # policy in _modules, compressor and temperature attributes
+
+
 def test_max_new_tokens_past_the_context_stops_fit_before_the_first_rollout(tmp_path, tokenizer, tree_digest):
     checkpoints = tmp_path / "checkpoints"
     checkpoints.mkdir()
