@@ -241,14 +241,12 @@ class PackedPlan:
 
     def _block_mask(self, layer_idx: int, q_heads: int, sliding_window: int | None):
         """FlexAttention BlockMask of the whole packed row for one layer (`lit_smd.kv.flex.packed_block_mask`): the
-        shadow view's is built per call and not kept; the dense view's once per plan and window."""
-        steps = None if self.steps is None else self.steps[layer_idx]  # [R, Hkv, S, W + N]
+        dense view's once per plan and window; the shadow view's, within its blocks, per call and not kept."""
+        layout = (self.prompt_lengths, self.prompt_width, self.num_slots, self.slot_width)
         cache_key = ("block", sliding_window)
-        if steps is None and cache_key in self._masks:
+        if cache_key not in self._masks:
+            self._masks[cache_key] = packed_block_mask(*layout, None, q_heads, sliding_window)
+        if self.steps is None:
             return self._masks[cache_key]
-        block_mask = packed_block_mask(
-            self.prompt_lengths, self.prompt_width, self.num_slots, self.slot_width, steps, q_heads, sliding_window
-        )
-        if steps is None:
-            self._masks[cache_key] = block_mask
-        return block_mask
+        steps = self.steps[layer_idx]  # [R, Hkv, S, W + N]
+        return packed_block_mask(*layout, steps, q_heads, sliding_window, dense=self._masks[cache_key])

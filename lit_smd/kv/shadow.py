@@ -213,10 +213,12 @@ class AttentionPlan:
         return out.transpose(1, 2).contiguous()
 
     def block_mask(self, layer_idx: int, num_heads: int, width: int, sliding_window: int | None):
-        """FlexAttention BlockMask for one layer (`lit_smd.kv.flex.row_block_mask`): the shadow view's is built per
-        call and not kept; the dense view's, the same for every layer, once per plan and window."""
-        if self.shadow is not None:
-            return row_block_mask(self.lengths, self.shadow.evict_steps[layer_idx], num_heads, width, sliding_window)
+        """FlexAttention BlockMask for one layer (`lit_smd.kv.flex.row_block_mask`): the dense view's, the same for
+        every layer, built once per plan and window; the shadow view's, within its blocks, per call and not kept."""
         if sliding_window not in self._block_masks:
             self._block_masks[sliding_window] = row_block_mask(self.lengths, None, num_heads, width, sliding_window)
-        return self._block_masks[sliding_window]
+        dense = self._block_masks[sliding_window]
+        if self.shadow is None:
+            return dense
+        steps = self.shadow.evict_steps[layer_idx]  # [B, Hkv, >= T]
+        return row_block_mask(self.lengths, steps, num_heads, width, sliding_window, dense=dense)

@@ -71,6 +71,60 @@ def test_row_mask_mod_matches_the_sdpa_visibility(shadow, window):
     assert not grid[rows:].any() and not grid[:, :, width:].any() and not grid[..., width:].any()
 
 
+def _covered(block_mask) -> torch.Tensor:
+    """``[rows, 1, size, size]``: the positions inside the blocks ``block_mask`` computes (partial or full)."""
+    size = block_mask.BLOCK_SIZE[0]
+    return block_mask.to_dense().bool().repeat_interleave(size, 2).repeat_interleave(size, 3)
+
+
+@pytest.fixture
+def uncompiled_block_masks(monkeypatch):
+    """The dense view's ``create_block_mask`` uncompiled (seconds instead of a compilation, same result)."""
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    monkeypatch.setattr(flex, "_block_mask", lambda mask_mod, rows, size, device: create_block_mask(
+        mask_mod, rows, 1, size, size, device=device))  # fmt: skip
+
+
+@pytest.mark.parametrize("window", [None, 100])
+def test_shadow_block_mask_holds_every_visible_position_per_row(uncompiled_block_masks, window):
+    """The shadow view's BlockMask reuses the dense view's blocks, all partial: every position the layer's
+    ``mask_mod`` shows lies in a computed block, and blocks the dense view skips (above the diagonal, outside the
+    window) stay skipped."""
+    rows, width, heads, kv_heads = 3, 600, 4, 2
+    plan = _plan(rows, width, kv_heads, shadow=True)
+    steps = plan.shadow.evict_steps[1 % plan.shadow.evict_steps.shape[0]]
+    dense = flex.row_block_mask(plan.lengths, None, heads, width, window)
+    block_mask = flex.row_block_mask(plan.lengths, steps, heads, width, window, dense=dense)
+    mask_mod, padded_rows, size = row_mask_mod(plan.lengths, steps, width, window, heads // kv_heads)
+    visible = create_mask(mask_mod, padded_rows, heads, size, size, device="cpu")  # [rows, Hq, size, size]
+    assert block_mask.full_kv_num_blocks is None and block_mask.mask_mod is not dense.mask_mod
+    assert torch.equal(block_mask.to_dense(), dense.to_dense())
+    covered = _covered(block_mask)
+    assert not (visible & ~covered).any()
+    upper = torch.ones(size // 128, size // 128, dtype=torch.bool).triu(1)
+    assert not block_mask.to_dense()[..., upper].any()
+    if window is not None:  # query block 4 and key block 0 are over 100 positions apart: skipped
+        assert not block_mask.to_dense()[:, :, 4, 0].any()
+
+
+def test_shadow_block_mask_holds_every_visible_position_packed(peaky_model_factory, uncompiled_block_masks):
+    from tests.test_learner import _rollout
+
+    model = peaky_model_factory("qwen3")
+    rollout = _rollout(model, lengths=(300, 260))
+    plan = learner_hidden_states(model, rollout, shadow=True, backend="sdpa")._packing.plan
+    heads, kv_heads = model.config.num_attention_heads, model.config.num_key_value_heads
+    layout = (plan.prompt_lengths, plan.prompt_width, plan.num_slots, plan.slot_width)
+    dense = flex.packed_block_mask(*layout, None, heads, None)
+    for layer in range(model.config.num_hidden_layers):
+        block_mask = flex.packed_block_mask(*layout, plan.steps[layer], heads, None, dense=dense)
+        mask_mod, padded_rows, size = flex.packed_mask_mod(*layout, plan.steps[layer], None, heads // kv_heads)
+        visible = create_mask(mask_mod, padded_rows, heads, size, size, device="cpu")
+        assert size >= 384 and block_mask.full_kv_num_blocks is None
+        assert not (visible & ~_covered(block_mask)).any()
+
+
 @pytest.mark.slow
 def test_compiled_flex_matches_sdpa_in_both_layouts(peaky_model_factory):
     """Per row and shared prefix, shadow and dense view: compiled FlexAttention against SDPA (float32, forward)."""

@@ -84,8 +84,9 @@ def test_smd_fit_on_cuda_bf16_first_ratio_exactly_one(bf16_policy, bf16_tokenize
     for step in steps:
         assert step["train/ratio_min"] == 1.0 and step["train/ratio_max"] == 1.0, step
         assert torch.isfinite(torch.tensor(step["train/loss"]))
-    compiles = [step["train/flex_compiles"] for step in steps]
-    assert compiles[0] > 0 and compiles[-1] == compiles[-2], compiles
+    # Logged by the module's on_train_batch_end, after the recorder's: each step reads the count after the one before.
+    compiles = [step.get("train/flex_compiles") for step in steps]
+    assert compiles[1] > 0 and compiles[3] == compiles[2], compiles
 
 
 @pytest.fixture(scope="module")
