@@ -46,6 +46,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field, replace
 
 import torch
+import torch.nn.functional as F
 
 from lit_smd.kv.blocked import (
     DENSE_BLOCK,
@@ -102,10 +103,11 @@ class PackedPlan:
         return self.prompt_width + self.num_slots * self.slot_width
 
     def for_slots(self) -> PackedPlan:
-        """The dense slots-only pass that reuses this (capturing) pass's prompt keys and values."""
+        """The dense slots-only pass that reuses this (capturing) pass's prompt keys and values, on the same backend
+        (FlexAttention on CUDA: SDPA's query blocks with a boolean mask and GQA take its math kernel there)."""
         if not self.prompt_kv:
             raise ValueError("for_slots needs a pass run with capture_prompt_kv=True first (no prompt keys stored)")
-        return replace(self, steps=None, backend="sdpa", capture_prompt_kv=False, slots_only=True, _masks={})
+        return replace(self, steps=None, capture_prompt_kv=False, slots_only=True, _masks={})
 
     # ------------------------------------------------------------------------------------------------ attention
 
@@ -120,8 +122,14 @@ class PackedPlan:
         width = self.prompt_width
         if self.slots_only:
             prompt_keys, prompt_values = self.prompt_kv[layer_idx]
-            out = self._attend_slots(layer_idx, query, prompt_keys, prompt_values, key, value, scaling, dropout,
-                                     sliding_window, features)  # fmt: skip
+            if use_flex(self.backend, query.device, dropout):  # the whole packed row's dense view, prompt queries 0
+                block_mask = self._block_mask(layer_idx, query.shape[1], sliding_window)
+                query = F.pad(query, (0, 0, width, 0))  # [R, Hq, W + S*N, D]; the prompt rows' outputs are dropped
+                key, value = torch.cat([prompt_keys, key], dim=2), torch.cat([prompt_values, value], dim=2)
+                out = flex_feature_attention(query, key, value, block_mask, scaling, features)[:, :, width:]
+            else:
+                out = self._attend_slots(layer_idx, query, prompt_keys, prompt_values, key, value, scaling, dropout,
+                                         sliding_window, features)  # fmt: skip
             return out.transpose(1, 2).contiguous()
         if self.capture_prompt_kv and layer_idx not in self.prompt_kv:  # not again in a checkpointed recompute
             # Copies, not views: a view of the packed row would keep the whole row's keys alive with the plan.

@@ -13,7 +13,7 @@ from torch.nn.attention.flex_attention import create_mask
 from lit_smd.kv import flex
 from lit_smd.kv.flex import FlexRecompileLimitError, bucket, flex_compilations, row_mask_mod
 from lit_smd.kv.shadow import AttentionPlan, ShadowMask
-from lit_smd.learner import learner_hidden_states, score
+from lit_smd.learner import dense_hidden_states, learner_hidden_states, score
 from lit_smd.rollout import generate
 
 from .conftest import make_compressor
@@ -139,6 +139,23 @@ def test_compiled_flex_matches_sdpa_in_both_layouts(peaky_model_factory):
                 flex_out = learner_hidden_states(model, rollout, shadow=shadow, layout=layout, backend="flex").hidden
                 sdpa_out = learner_hidden_states(model, rollout, shadow=shadow, layout=layout, backend="sdpa").hidden
             assert ((flex_out - sdpa_out) * mask).abs().max() <= 1e-5, (layout, shadow)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["shared_prefix", "per_row"])
+def test_flex_dense_teacher_over_the_kept_prompt_keys(peaky_model_factory, layout):
+    """SMD's dense teacher after a FlexAttention shadow pass: its completions over the kept prompt keys run
+    FlexAttention too (the whole row's dense view, prompt queries zero), equal to a dense SDPA pass (forward)."""
+    from tests.test_learner import _rollout
+
+    model = peaky_model_factory("qwen3", dtype=torch.float32)
+    rollout = _rollout(model)
+    with torch.no_grad():
+        masked = learner_hidden_states(model, rollout, layout=layout, backend="flex", keep_prompt_kv=True)
+        teacher = dense_hidden_states(model, rollout, masked)  # [B, N, H]
+        dense = learner_hidden_states(model, rollout, shadow=False, layout=layout, backend="sdpa").hidden
+    assert masked.backend == "flex"
+    assert ((teacher - dense) * rollout.completion_mask[..., None]).abs().max() <= 1e-4
 
 
 @pytest.mark.slow

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from lit_smd.kv import flex
-from lit_smd.learner import learner_hidden_states, score
+from lit_smd.learner import dense_hidden_states, learner_hidden_states, score
 from lit_smd.rollout import generate
 from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer
 from tests.modules.test_grpo_precision import train_bf16
@@ -51,6 +51,20 @@ def test_flex_matches_sdpa_forward_and_backward(peaky_model_factory, layout, sha
     assert flex_grads.keys() == sdpa_grads.keys()
     errors = {name: _max_relative(flex_grads[name], sdpa_grads[name]) for name in sdpa_grads}
     assert max(errors.values()) <= 1e-3, sorted(errors.items(), key=lambda item: -item[1])[:3]
+
+
+@pytest.mark.parametrize("layout", ["per_row", "shared_prefix"])
+def test_flex_dense_teacher_over_the_kept_prompt_keys(peaky_model_factory, layout):
+    """SMD's dense teacher on the GPU (FlexAttention over the kept prompt keys) equals a dense SDPA pass."""
+    model = peaky_model_factory("qwen3", dtype=torch.float32)
+    rollout = _rollout(model).to(CUDA)
+    model.to(CUDA)
+    with torch.no_grad():
+        masked = learner_hidden_states(model, rollout, layout=layout, keep_prompt_kv=True)  # backend "auto": flex
+        teacher = dense_hidden_states(model, rollout, masked)  # [B, N, H]
+        dense = learner_hidden_states(model, rollout, shadow=False, layout=layout, backend="sdpa").hidden
+    assert masked.backend == "auto"
+    assert ((teacher - dense) * rollout.completion_mask[..., None]).abs().max() <= 1e-4
 
 
 @pytest.mark.parametrize("compressor", ["h2o", "prefill_then_decode"])
