@@ -15,7 +15,7 @@
 #                first on PYTHONPATH; stop here if transformers is still older than lit_smd needs
 #   1. tests     pytest tests/kv/test_flex_cuda.py (skipped without CUDA): the FlexAttention learner forward and
 #                backward against SDPA, the shadow mask replayed against the CUDA sampler, a bf16 SMD fit    <= 150 s
-#   2. learner   benchmarks/gpu_learner.py: dense and SMD learner steps side by side at 8k, 7.75k and 16k
+#   2. learner   benchmarks/gpu_learner.py: dense and SMD learner steps side by side at 8k and 7.75k
 #                completions on FlexAttention: peak memory, time, ratios to dense, compilations                <= 240 s
 #   3. decode    benchmarks/gpu_decode.py: decode tokens/s of lit_smd dense and SnapKV-then-H2O at 0.5 vs transformers'
 #                generate (dynamic cache; static cache + torch.compile), Qwen3-1.7B shape, 64 rows, 1024+1024 and
