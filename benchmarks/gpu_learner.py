@@ -3,18 +3,18 @@ and compilations.
 
 The model of `gpu_decode` (Qwen3-1.7B shape, random weights, bfloat16). One prompt of ``--prompt`` tokens with
 ``--group`` completions of each length in ``--lengths`` (default 8192 and 7936 tokens: 7936 falls in 8192's width
-buckets, so its steps show whether a new width reuses the compiled kernels; 16384 fits the H200 too, but not in the
-GPU check's time with both layouts), a synthetic SnapKV-then-H2O shadow mask (every key of every layer, row and KV head lives an exponentially distributed number of steps of mean
-``--budget`` x the sequence length, at least ``--window``; prompt keys live at least to the end of the prompt; 4
-sinks are never evicted), rewards 0/1. Per length, ``--steps`` rounds of one learner step per mode in ``--modes``
-(default dense, then smd), as a training step runs them (`GRPOModule.make_experience`, ``training_step``, then
-``backward``; SMD: the shadow-masked pass, the no-grad dense teacher and the KL), in each layout of ``--layouts``
-(default shared prefix, then per row, as ``score()``, fallback rows and FSDP2 run), backend ``"auto"``:
-FlexAttention on CUDA, SDPA on the CPU. Per step: wall time (CUDA
-synchronised), the rise of ``max_memory_allocated`` over the memory allocated before it (CUDA), the ratio of both to
-the dense step of the same round, and compilations: TorchDynamo's count of compiled graphs
-(``torch._dynamo.utils.counters``) and `lit_smd.kv.flex.flex_compilations`. The first round of a length includes its
-compilations, the later ones show whether they are reused.
+buckets, so its steps show whether a new width reuses the compiled kernels; 16384 fits the H200 too, but not in the GPU
+check's time with both layouts), a synthetic SnapKV-then-H2O shadow mask (every key of every layer, row and KV head
+lives an exponentially distributed number of steps of mean ``--budget`` x the sequence length, at least ``--window``;
+prompt keys live at least to the end of the prompt; 4 sinks are never evicted), rewards 0/1. Per length, ``--steps``
+rounds of one learner step per mode in ``--modes`` (default dense, then smd), as a training step runs them
+(`GRPOModule.make_experience`, ``training_step``, then ``backward``; SMD: the shadow-masked pass, the no-grad dense
+teacher and the KL), in each layout of ``--layouts`` (default shared prefix, then per row, as ``score()``, fallback rows
+and FSDP2 run), backend ``"auto"``: FlexAttention on CUDA, SDPA on the CPU. Per step: wall time (CUDA synchronised), the
+rise of ``max_memory_allocated`` over the memory allocated before it (CUDA), the ratio of both to the dense step of the
+same round, and compilations: TorchDynamo's count of compiled graphs (``torch._dynamo.utils.counters``) and
+`lit_smd.kv.flex.flex_compilations`. The first round of a length includes its compilations, the later ones show whether
+they are reused.
 
 ``--toy``: tiny Qwen3, float32, prompt 16, completions 32 and 64 (seconds on the CPU).
 """
