@@ -232,3 +232,25 @@ def test_flex_forward_honours_softcap_and_sinks(model_type):
     mask = rollout.completion_mask
     assert (flex_logprobs - sdpa_logprobs)[mask].abs().max() <= 1e-4
     assert (flex_logprobs - rollout.logprobs)[mask].abs().max() <= 1e-4
+
+
+@pytest.mark.slow
+def test_flex_forward_mla_keys_wider_than_values():
+    """DeepSeek-V3's latent attention (one eviction record per layer, keys wider than values) on the FlexAttention
+    path: both layouts and views, and SMD's dense teacher over the kept prompt keys, against SDPA (forward)."""
+    from tests.test_families import build, sample
+
+    model = build("deepseek_v3").float()
+    rollout = sample(model, make_compressor("prefill_then_decode", budget=0.5), num_samples=2)
+    mask = rollout.completion_mask[..., None]
+    with torch.no_grad():
+        for layout in ("per_row", "shared_prefix"):
+            for shadow in (True, False):
+                flex_out = learner_hidden_states(model, rollout, shadow=shadow, layout=layout, backend="flex").hidden
+                sdpa_out = learner_hidden_states(model, rollout, shadow=shadow, layout=layout, backend="sdpa").hidden
+                assert ((flex_out - sdpa_out) * mask).abs().max() <= 1e-4, (layout, shadow)
+            masked = learner_hidden_states(model, rollout, layout=layout, backend="flex", keep_prompt_kv=True)
+            teacher = dense_hidden_states(model, rollout, masked)
+            assert ((teacher - sdpa_out) * mask).abs().max() <= 1e-4, layout
+        replayed = score(model, rollout, backend="flex")
+    assert (replayed - rollout.logprobs)[rollout.completion_mask].abs().max() <= 1e-4
