@@ -86,3 +86,14 @@ def peaky_model_factory(tiny_model_factory: ModelFactory) -> ModelFactory:
 def peaky_model(peaky_model_factory: ModelFactory) -> PreTrainedModel:
     """A peaky tiny Qwen3 in float64 (the configuration of the KV prototype)."""
     return peaky_model_factory("qwen3")
+
+
+@pytest.fixture(scope="module")
+def bf16_tokenizer() -> PreTrainedTokenizerFast:
+    return build_tiny_tokenizer()
+
+
+@pytest.fixture(scope="module")
+def bf16_policy(bf16_tokenizer: PreTrainedTokenizerFast) -> PreTrainedModel:
+    """A tiny Qwen3 in bfloat16, built once per test module (each test trains a copy)."""
+    return build_tiny_model("qwen3", tokenizer=bf16_tokenizer, initializer_range=0.35, dtype=torch.bfloat16)

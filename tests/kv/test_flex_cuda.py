@@ -13,7 +13,6 @@ import torch
 from lit_smd.kv import flex
 from lit_smd.learner import dense_hidden_states, learner_hidden_states, score
 from lit_smd.rollout import generate
-from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer
 from tests.modules.test_grpo_precision import train_bf16
 from tests.test_learner import _logprobs_and_grads, _rollout
 
@@ -102,12 +101,3 @@ def test_smd_fit_on_cuda_bf16_first_ratio_exactly_one(bf16_policy, bf16_tokenize
     compiles = [step.get("train/flex_compiles") for step in steps]
     assert compiles[1] > 0 and compiles[3] == compiles[2], compiles
 
-
-@pytest.fixture(scope="module")
-def bf16_tokenizer():
-    return build_tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def bf16_policy(bf16_tokenizer):
-    return build_tiny_model("qwen3", tokenizer=bf16_tokenizer, initializer_range=0.35, dtype=torch.bfloat16)

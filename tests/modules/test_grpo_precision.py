@@ -22,7 +22,6 @@ from lit_smd.losses.grpo import policy_loss
 from lit_smd.losses.rollout_correction import RolloutCorrection
 from lit_smd.modules.grpo import GRPOModule
 from lit_smd.tasks import key_value_retrieval
-from lit_smd.tiny import build_tiny_model, build_tiny_tokenizer
 
 from .test_grpo_module import digit_share, loader, make_trainer, sample
 
@@ -71,17 +70,6 @@ def train_bf16(
     recorder = StepMetrics()
     make_trainer(max_steps=steps, callbacks=[recorder], log_every_n_steps=1, **trainer).fit(module, data)
     return recorder.steps
-
-
-@pytest.fixture(scope="module")
-def bf16_tokenizer():
-    return build_tiny_tokenizer()
-
-
-@pytest.fixture(scope="module")
-def bf16_policy(bf16_tokenizer):
-    """A tiny Qwen3 in bfloat16, built once for the module (each test trains a copy)."""
-    return build_tiny_model("qwen3", tokenizer=bf16_tokenizer, initializer_range=0.35, dtype=torch.bfloat16)
 
 
 PLANS = [(1, None), (2, None), (1, 4), (2, 4)]  # (num_iterations, minibatch_size) of 8-row rollout batches
