@@ -16,7 +16,8 @@
 #   1. tests     pytest tests/kv/test_flex_cuda.py (skipped without CUDA): the FlexAttention learner forward and
 #                backward against SDPA, the shadow mask replayed against the CUDA sampler, a bf16 SMD fit    <= 150 s
 #   2. learner   benchmarks/gpu_learner.py: dense and SMD learner steps side by side at 8k and 7.75k
-#                completions on FlexAttention: peak memory, time, ratios to dense, compilations                <= 240 s
+#                completions on FlexAttention: peak memory, time, ratios to dense, compilations, and a profile of
+#                one more step per mode (top operators by device time)                                          <= 240 s
 #   3. decode    benchmarks/gpu_decode.py: decode tokens/s of lit_smd dense and SnapKV-then-H2O at 0.5 vs transformers'
 #                generate (dynamic cache; static cache + torch.compile), Qwen3-1.7B shape, 64 rows, 1024+1024 and
 #                8192+1024 (DECODE_ARGS replaces these flags), eager and compiled; GPU memory after generate
@@ -83,7 +84,7 @@ part() {  # part NAME SECONDS COMMAND...: at most SECONDS, and never past the ch
 part tests 150 $PY -m pytest -q -p no:cacheprovider tests/kv/test_flex_cuda.py --junit-xml=/tmp/junit.xml \
     > "$OUT/tests.txt" 2>&1
 cat "$OUT/tests.txt"
-part learner 240 $PY benchmarks/gpu_learner.py "${ARGS[@]}" --json "$OUT/learner.json" --markdown "$OUT/learner.md"
+part learner 240 $PY benchmarks/gpu_learner.py "${ARGS[@]}" --profile --json "$OUT/learner.json" --markdown "$OUT/learner.md"
 read -r -a DECODE <<< "${DECODE_ARGS:-}"
 part decode 310 $PY benchmarks/gpu_decode.py "${ARGS[@]}" "${DECODE[@]}" --json "$OUT/decode.json" \
     --markdown "$OUT/decode.md"

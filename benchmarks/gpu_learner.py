@@ -92,6 +92,23 @@ def step(module: GRPOModule, rollout: Rollout, group: int, device: torch.device)
     return row
 
 
+def profile_step(module: GRPOModule, rollout: Rollout, group: int, device: torch.device, rows: int = 20) -> str:
+    """One more learner step under ``torch.profiler``: its operators by self time on the device (CUDA) or the CPU."""
+    from torch.profiler import ProfilerActivity, profile
+
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as profiler:
+        step(module, rollout, group, device)
+    averages = profiler.key_averages()
+    keys = ["self_device_time_total", "self_cuda_time_total"] if device.type == "cuda" else ["self_cpu_time_total"]
+    for key in keys:  # torch renamed the CUDA column to "device"; older versions know only the first spelling
+        try:
+            return averages.table(sort_by=key, row_limit=rows, max_name_column_width=60)
+        except (AttributeError, KeyError, ValueError):
+            continue
+    return averages.table(row_limit=rows)
+
+
 def with_ratios(results: list[dict[str, Any]]) -> None:
     """Each row's ``time_ratio`` / ``peak_ratio``: its time and peak over the dense row of the same layout, length and
     round."""
@@ -128,6 +145,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--steps", type=int, default=2, help="rounds (one learner step per mode) per length")
     parser.add_argument("--budget", type=float, default=0.5)
     parser.add_argument("--window", type=int, default=None, help="default 32 (toy 4)")
+    parser.add_argument("--profile", action="store_true",
+                        help="after the rounds of the first layout and length, one more step per mode under "
+                        "torch.profiler: the top operators by self time, in the JSON and the markdown")  # fmt: skip
     C.add_output_flags(parser)
     return parser
 
@@ -178,6 +198,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                         torch.cuda.empty_cache()
                 if failed:
                     break
+            if args.profile and "profile" not in payload and not failed:
+                payload["profile"] = {mode: profile_step(modules[layout, mode], dense_rollout if mode == "dense"
+                                                         else rollout, args.group, device) for mode in args.modes}
+                C.write_json(args.json, payload)
     except KeyboardInterrupt:
         C.interrupted(payload, args.json)
     text = _table(payload["results"]) + (
@@ -186,6 +210,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "(CUDA). x dense = over the dense step of the same layout, length and round. dynamo graphs = graphs "
         "TorchDynamo compiled during the step; flex compilations = lit_smd.kv.flex.flex_compilations' rise."
     )
+    for mode, table in payload.get("profile", {}).items():
+        where = f"{args.layouts[0]}, {args.lengths[0]} tokens"
+        text += f"\n\nProfile of one more {mode} step ({where}):\n\n```\n{table}\n```"
     print(text)
     C.write_markdown(args.markdown, "# Learner\n\n" + C.describe(env) + "\n\n" + text)
     return payload

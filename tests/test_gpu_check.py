@@ -111,6 +111,8 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_fallback(tmp_path):
     for row in learner["results"]:
         assert row["time_s"] > 0 and row["dynamo_graphs"] >= 0 and row["lit_smd_compilations"] == 0, row
         assert row["mode"] == "smd" or row["time_ratio"] == 1.0
+    assert set(learner["profile"]) == {"dense", "smd"} and "Self CPU time total" in learner["profile"]["smd"]
+    assert "Profile of one more smd step (shared_prefix, 32 tokens)" in (out / "learner.md").read_text()
     smd = [r for r in learner["results"] if r["mode"] == "smd"]
     dense = {(r["layout"], r["new"], r["step"]): r["time_s"] for r in learner["results"] if r["mode"] == "dense"}
     assert all(r["time_ratio"] == pytest.approx(r["time_s"] / dense[r["layout"], r["new"], r["step"]]) for r in smd)
