@@ -59,10 +59,13 @@ Backend = Literal["auto", "sdpa", "flex"]
 """Masked attention kernel of a learner pass: ``"sdpa"`` (boolean mask, any device), ``"flex"`` (FlexAttention
 ``BlockMask``, CUDA) or ``"auto"`` (flex on CUDA, sdpa elsewhere)."""
 
-RECOMPILE_LIMIT = 64
+RECOMPILE_LIMIT = 128
 """Most graphs compiled per function (FlexAttention, block-mask builder) before a call raises: each kind of pass
 (per row or packed, dense or shadow view, with or without gradient, sliding window or not) times the width buckets
-a run visits."""
+a run visits. An SMD run compiles FlexAttention for about three kinds (the shadow view with gradient, the dense
+teacher without, the old log-probs without when ``num_iterations > 1``), and widths from 1k to 32k fall in 21
+buckets (33 up to 32k): 64, the earlier limit, could stop a length curriculum hours in. Below dynamo's own
+``accumulated_recompile_limit`` (256)."""
 
 MaskMod = Callable[[Tensor, Tensor, Tensor, Tensor], Tensor]
 
