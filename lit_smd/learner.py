@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from lit_smd.kv.attention import ensure_attention
-from lit_smd.kv.flex import Backend
+from lit_smd.kv.flex import Backend, check_backend
 from lit_smd.kv.packed import PackedPlan
 from lit_smd.kv.shadow import NEVER, AttentionPlan
 from lit_smd.losses.head import output_head
@@ -115,9 +115,11 @@ def learner_hidden_states(
         model's training mode is left as it is.
 
     Raises:
-        ValueError: ``layout`` is not one of `LEARNER_LAYOUTS`.
+        ValueError: ``layout`` is not one of `LEARNER_LAYOUTS`, or ``backend`` not one of
+            `lit_smd.kv.flex.BACKENDS`.
     """
     check_learner_layout(layout, "layout")
+    check_backend(backend)
     ensure_attention(model)
     if layout == "per_row" or len(rollout) == 0:
         return _per_row_pass(model, rollout, shadow=shadow, backend=backend, keep_prompt_kv=keep_prompt_kv)
@@ -188,6 +190,7 @@ def score(
         raise ValueError(f"temperature must be > 0 and finite, got {temperature}")
     if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
         raise ValueError(f"chunk_size must be an integer >= 1, got {chunk_size!r}")
+    check_backend(backend)
     head = output_head(model)  # refuses unknown logit post-processing before the forward
     ensure_attention(model)
     hidden = _per_row_hidden_states(model, rollout, shadow=shadow, backend=backend)  # [B, N, H]

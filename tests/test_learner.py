@@ -20,7 +20,7 @@ import torch
 from lit_smd.datamodules import ScoredRollout
 from lit_smd.kv import H2O, NEVER, PrefillThenDecode, SnapKV
 from lit_smd.kv.precision import keep_float64_norms
-from lit_smd.learner import dense_hidden_states, learner_hidden_states, shareable_groups
+from lit_smd.learner import dense_hidden_states, learner_hidden_states, score, shareable_groups
 from lit_smd.losses.sparse_rl import SparseRLConfig
 from lit_smd.modules.grpo import GRPOModule
 from lit_smd.rollout import Rollout, generate
@@ -258,6 +258,32 @@ def test_unknown_layout_is_rejected(tiny_model):
     rollout = _rollout(tiny_model, compressor=False)
     with pytest.raises(ValueError, match="layout must be one of"):
         learner_hidden_states(tiny_model, rollout, layout="packed")
+    with pytest.raises(ValueError, match=r"backend must be one of \('auto', 'sdpa', 'flex'\), got 'cuda'"):
+        learner_hidden_states(tiny_model, rollout, backend="cuda")  # before: silently SDPA
+    with pytest.raises(ValueError, match=r"backend must be one of"):
+        score(tiny_model, rollout, backend="math")
+
+
+def test_grpo_module_runs_every_pass_on_its_attention_backend(monkeypatch, tiny_model):
+    """``attention_backend`` reaches the teacher-forced passes of an SMD step (the dense teacher then runs on the
+    masked pass's kernel, `LearnerPass.backend`)."""
+    import lit_smd.modules._grpo_smd as grpo_smd
+
+    seen = []
+
+    def spy(*args, backend, **kwargs):
+        seen.append(backend)
+        return learner_hidden_states(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(grpo_smd, "learner_hidden_states", spy)
+    compressor = PrefillThenDecode(SnapKV(20, window=8), H2O(20, window=4))
+    module = GRPOModule(tiny_model, mode="smd", compressor=compressor, attention_backend="sdpa")
+    rollout = _rollout(tiny_model)
+    rewards = torch.arange(len(rollout), dtype=torch.float32)
+    loss = module.training_step(module.make_experience(ScoredRollout(rollout, rewards, num_generations=GROUP)), 0)
+    loss.backward()
+    assert seen and set(seen) == {"sdpa"}
+    assert GRPOModule(tiny_model, mode="dense").attention_backend == "auto"
 
 
 @pytest.mark.parametrize("mode", ["dense", "naive", "sparse_rl", "smd"])

@@ -42,10 +42,12 @@ from torch.nn.attention.flex_attention import BlockMask
 from lit_smd.kv.features import AttentionFeatures
 
 __all__ = [
+    "BACKENDS",
     "RECOMPILE_LIMIT",
     "Backend",
     "FlexRecompileLimitError",
     "bucket",
+    "check_backend",
     "flex_compilations",
     "flex_feature_attention",
     "packed_block_mask",
@@ -58,6 +60,8 @@ __all__ = [
 Backend = Literal["auto", "sdpa", "flex"]
 """Masked attention kernel of a learner pass: ``"sdpa"`` (boolean mask, any device), ``"flex"`` (FlexAttention
 ``BlockMask``, CUDA) or ``"auto"`` (flex on CUDA, sdpa elsewhere)."""
+
+BACKENDS: tuple[Backend, ...] = ("auto", "sdpa", "flex")
 
 RECOMPILE_LIMIT = 128
 """Most graphs compiled per function (FlexAttention, block-mask builder) before a call raises: each kind of pass
@@ -118,6 +122,12 @@ def bucket(size: int) -> int:
 
 def _batch_bucket(size: int) -> int:
     return 1 << max(size - 1, 0).bit_length()
+
+
+def check_backend(backend: object, name: str = "backend") -> None:
+    """Raise a ``ValueError`` naming ``name`` unless ``backend`` is one of `BACKENDS`."""
+    if backend not in BACKENDS:
+        raise ValueError(f"{name} must be one of {BACKENDS}, got {backend!r}")
 
 
 def use_flex(backend: Backend, device: torch.device, dropout: float) -> bool:

@@ -23,6 +23,7 @@ from transformers import PreTrainedModel
 
 from lit_smd.datamodules.experience import report_phase
 from lit_smd.fsdp import is_sharded
+from lit_smd.kv.flex import Backend
 from lit_smd.learner import LearnerLayout, LearnerPass, dense_hidden_states, learner_hidden_states, shareable_groups
 from lit_smd.losses.head import output_head
 from lit_smd.losses.kl import KLOutput, chunked_token_kl
@@ -31,7 +32,8 @@ from lit_smd.rollout import Rollout
 
 
 def grpo_pass(
-    model: PreTrainedModel, rollout: Rollout, layout: LearnerLayout, *, shadow: bool, keep_prompt_kv: bool = False
+    model: PreTrainedModel, rollout: Rollout, layout: LearnerLayout, *, shadow: bool, keep_prompt_kv: bool = False,
+    backend: Backend = "auto",
 ) -> LearnerPass:
     """One teacher-forced pass of ``model`` over ``rollout`` in ``layout``, as GRPO runs it.
 
@@ -42,7 +44,9 @@ def grpo_pass(
     """
     if shadow and layout == "shared_prefix" and is_sharded(model) and not _all_ranks_shareable(rollout):
         layout = "per_row"
-    return learner_hidden_states(model, rollout, shadow=shadow, layout=layout, keep_prompt_kv=keep_prompt_kv)
+    return learner_hidden_states(
+        model, rollout, shadow=shadow, layout=layout, keep_prompt_kv=keep_prompt_kv, backend=backend
+    )
 
 
 def _all_ranks_shareable(rollout: Rollout) -> bool:
@@ -65,6 +69,7 @@ def smd_kl(
     chunk_size: int,
     masked: LearnerPass | None = None,
     phase_owner: object = None,
+    backend: Backend = "auto",
 ) -> KLOutput:
     """SMD's distillation term between the dense and the shadow-masked views of ``policy``.
 
@@ -80,20 +85,23 @@ def smd_kl(
             prompt).
         phase_owner: Whose ``phase_listeners`` hear the dense teacher pass as the ``"teacher"`` phase
             (`lit_smd.datamodules.experience.report_phase`); the module.
+        backend: The passes' attention kernel (`lit_smd.kv.flex.Backend`).
 
     Returns:
         ``KLOutput``; its ``loss`` is the token-mean KL, ``forward_kl`` (dense) / ``reverse_kl`` (masked) its value.
     """
     head = output_head(policy)
     if masked is None:
-        masked = grpo_pass(policy, rollout, layout, shadow=True, keep_prompt_kv=stop_gradient == "dense")
+        masked = grpo_pass(
+            policy, rollout, layout, shadow=True, keep_prompt_kv=stop_gradient == "dense", backend=backend
+        )
     masked_hidden = masked.hidden  # [B, N, H]
     common = {"temperature": temperature, "mask": mask, "chunk_size": chunk_size}
     if stop_gradient == "dense":
         with torch.no_grad(), report_phase(phase_owner, "teacher"):
             dense_hidden = dense_hidden_states(policy, rollout, masked)  # [B, N, H]
         return chunked_token_kl(masked_hidden, head, dense_hidden, teacher_head=head, **common)
-    dense_hidden = grpo_pass(policy, rollout, layout, shadow=False).hidden  # [B, N, H]
+    dense_hidden = grpo_pass(policy, rollout, layout, shadow=False, backend=backend).hidden  # [B, N, H]
     reverse = {"forward_weight": 0.0, "reverse_weight": 1.0}
     return chunked_token_kl(dense_hidden, head, masked_hidden.detach(), teacher_head=head, **reverse, **common)
 

@@ -97,6 +97,7 @@ from transformers import PreTrainedModel
 from lit_smd._deprecation import legacy_call
 from lit_smd.datamodules.experience import Experience, PhaseListener, ScoredRollout
 from lit_smd.kv import Compressor
+from lit_smd.kv.flex import Backend, check_backend
 from lit_smd.learner import LearnerLayout, LearnerPass, check_learner_layout
 from lit_smd.lora import LoraSettings, check_lora
 from lit_smd.losses.grpo import LossType, ScaleRewards, policy_loss
@@ -220,6 +221,10 @@ class GRPOModule(LightningModule):
             of consecutive rows sharing it (`lit_smd.learner`; same log-probs and gradients, a fraction of the
             prompt work), falling back to one row per sample where sharing cannot hold; ``"per_row"`` always runs one
             row per sample.
+        attention_backend: The masked attention kernel of those passes: ``"auto"`` (FlexAttention on CUDA, compiled,
+            block-sparse; SDPA on the CPU), ``"sdpa"`` (SDPA everywhere: on CUDA a way around a FlexAttention problem,
+            e.g. `lit_smd.kv.flex.FlexRecompileLimitError`, at the cost of speed) or ``"flex"`` (also on the CPU,
+            where torch has no FlexAttention backward: for scoring only).
     """
 
     def __init__(
@@ -250,9 +255,11 @@ class GRPOModule(LightningModule):
         disable_dropout: bool = True,
         on_nonfinite: NonFiniteAction = "stop",
         learner_layout: LearnerLayout = "shared_prefix",
+        attention_backend: Backend = "auto",
     ) -> None:
         super().__init__()
         check_learner_layout(learner_layout)
+        check_backend(attention_backend, "attention_backend")
         self.nonfinite_guard = NonFiniteGuard(on_nonfinite)
         check_grpo_args(
             policy, reference, mode, compressor, reference_quantization, temperature, scale_rewards, loss_type,
@@ -287,6 +294,7 @@ class GRPOModule(LightningModule):
         self.reference_quantization = reference_quantization
         self.lora = lora
         self.learner_layout = learner_layout
+        self.attention_backend = attention_backend
         self._policy_source = policy if isinstance(policy, str) else None
         self._reference_source = reference if isinstance(reference, str) else None
         self.policy: PreTrainedModel | None = policy if isinstance(policy, PreTrainedModel) else None
@@ -398,6 +406,7 @@ class GRPOModule(LightningModule):
         return smd_kl(
             self.policy, rollout, mask, layout=self.learner_layout, stop_gradient=self.kl_stop_gradient,
             temperature=self.temperature, chunk_size=self.logits_chunk_size, masked=masked, phase_owner=self,
+            backend=self.attention_backend,
         )  # fmt: skip
 
     def configure_optimizers(self) -> object:
@@ -482,7 +491,10 @@ class GRPOModule(LightningModule):
         self, model: PreTrainedModel, rollout: Rollout, *, shadow: bool, keep_prompt_kv: bool = False
     ) -> LearnerPass:
         """One teacher-forced pass of ``model`` over ``rollout`` in the configured ``learner_layout`` (`grpo_pass`)."""
-        return grpo_pass(model, rollout, self.learner_layout, shadow=shadow, keep_prompt_kv=keep_prompt_kv)
+        return grpo_pass(
+            model, rollout, self.learner_layout, shadow=shadow, keep_prompt_kv=keep_prompt_kv,
+            backend=self.attention_backend,
+        )  # fmt: skip
 
     def _token_logprobs(self, model: PreTrainedModel, hidden: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
         head = output_head(model)

@@ -61,6 +61,8 @@ GRPO_ERRORS = [
     ("missing reference path", {"beta": 0.1, "reference": "./no/such/reference"},
      r"reference='./no/such/reference' is neither an existing local path nor a hub id"),
     ("reference of the wrong type", {"reference": 3}, r"reference must be a Hugging Face causal LM, a hub id"),
+    ("unknown attention_backend", {"attention_backend": "triton"},
+     r"attention_backend must be one of \('auto', 'sdpa', 'flex'\), got 'triton'"),
 ]  # fmt: skip
 
 
