@@ -136,11 +136,9 @@ def token_logprobs_and_kl(
     check_mask(mask, ids.shape)
     dtype = compute_dtype(hidden, head.weight, teacher_hidden)
     weights = token_weights(mask, ids.shape, dtype, hidden.device).reshape(-1)  # [N]
-    teacher = _Teacher(
-        teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]), teacher_head.weight.detach(),
-        None if teacher_head.bias is None else teacher_head.bias.detach(), teacher_head, forward_weight,
-        reverse_weight, weights / denominator(weights, normalizer),
-    )  # fmt: skip
+    teacher = _detached_teacher(
+        teacher_hidden, teacher_head, forward_weight, reverse_weight, weights / denominator(weights, normalizer)
+    )
     logprobs, entropy, loss, stats = _apply(hidden, head, ids, teacher, temperature, chunk_size, dtype)
     return logprobs.view(ids.shape), entropy.view(ids.shape), kl_output(loss, stats, weights)
 
@@ -206,13 +204,10 @@ def kl_with_policy_grad(
     weights = token_weights(mask, ids.shape, dtype, hidden.device).reshape(-1)  # [N]
     row_weights = weights / denominator(weights, normalizer)  # [N]
     flat_ids, g = ids.reshape(-1), logprob_grad.detach().reshape(-1).to(dtype)  # [N] x2
-    teacher_rows = teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1])  # [N, H_T]
-    teacher_weight, teacher_bias = teacher_head.weight.detach(), teacher_head.bias
-    teacher_bias = None if teacher_bias is None else teacher_bias.detach()
+    teacher = _detached_teacher(teacher_hidden, teacher_head, forward_weight, reverse_weight, row_weights)
 
     def rows_fn(log_q: Tensor, rows: slice, need_grad: bool) -> tuple[Tensor, Tensor, Tensor | None]:
-        log_p = head_log_softmax(teacher_rows[rows], teacher_weight, teacher_bias, teacher_head.transform, temperature,
-                                 dtype)  # fmt: skip
+        log_p = _teacher_log_p(teacher, rows, temperature, dtype)  # [C, V]
         kl_scale = kl_coef * row_weights[rows]  # [C]
         loss_rows, stats, grad = full_kl_rows(log_q, log_p, forward_weight, reverse_weight, need_grad, kl_scale,
                                               g[rows])  # fmt: skip
@@ -341,6 +336,17 @@ def _student_log_q(
     keep = keep_logits and head.transform.softcap is not None
     log_q = scaled_log_softmax(logits, temperature, dtype, owned=not keep)  # [C, V]
     return log_q, logits if keep else None
+
+
+def _detached_teacher(
+    teacher_hidden: Tensor, teacher_head: OutputHead, forward_weight: float, reverse_weight: float, row_weights: Tensor
+) -> _Teacher:
+    """The KL's teacher for the chunked passes: its hidden rows ``[N, H_T]`` and head weights detached."""
+    bias = teacher_head.bias
+    return _Teacher(
+        teacher_hidden.detach().reshape(-1, teacher_hidden.shape[-1]), teacher_head.weight.detach(),
+        None if bias is None else bias.detach(), teacher_head, forward_weight, reverse_weight, row_weights,
+    )  # fmt: skip
 
 
 def _teacher_log_p(teacher: _Teacher, rows: slice, temperature: float, dtype: torch.dtype) -> Tensor:
