@@ -81,8 +81,11 @@ def time_interleaved(
     repeats: int,
     warmup: int = 1,
     errors: tuple[type[BaseException], ...] = (),
+    alternate: bool = False,
 ) -> dict[str, dict[str, Any]]:
-    """Time several variants round-robin (A B C A B C ...), so that load changes on a shared machine hit all alike.
+    """Time several variants round-robin (A B C A B C ...; with ``alternate``, A B C C B A ...: the order reversed every
+    other round, so no variant always runs right after the same one), so that load changes on a shared machine hit all
+    alike.
 
     Each variant gets ``warmup`` untimed calls, then ``repeats`` timed calls interleaved with the others'. On CUDA the
     peak memory of each call above the memory allocated before it is recorded too (the largest over the calls).
@@ -110,7 +113,7 @@ def time_interleaved(
                 results[name]["peak_bytes"] = max(results[name].get("peak_bytes", 0), peak)
 
     for round_ in range(warmup + repeats):
-        for name in list(live):
+        for name in list(live) if not alternate or round_ % 2 == 0 else list(live)[::-1]:
             try:
                 call(name, timed=round_ >= warmup)
             except errors as error:

@@ -66,6 +66,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import functools
 import gc
 import json
 import math
@@ -462,15 +463,9 @@ def time_cell(spec: dict[str, Any]) -> dict[str, Any]:
         _warm_up(make, step, mode, spec)
     if spec["set_allocator"]:
         use_allocator("timing")
-    times: dict[str, list[float]] = {mode: [] for mode in modes}
-    for repeat in range(spec["repeats"]):
-        for mode in modes if repeat % 2 == 0 else modes[::-1]:
-            C.synchronize(device)
-            start = time.perf_counter()
-            step(mode, rollouts[mode])
-            C.synchronize(device)
-            times[mode].append(time.perf_counter() - start)
-    return {"times_s": times}
+    steps = {mode: functools.partial(step, mode, rollouts[mode]) for mode in modes}
+    timed = C.time_interleaved(steps, device, repeats=spec["repeats"], warmup=0, alternate=True)
+    return {"times_s": {mode: timed[mode]["times_s"] for mode in modes}}
 
 
 # ------------------------------------------------------------------------------------------------------ parent
