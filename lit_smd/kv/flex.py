@@ -21,12 +21,17 @@ CPU, forward only: torch 2.13 has no FlexAttention backward on the CPU).
 * **Counted.** `flex_compilations` is the number of graphs compiled for these functions in this process (a backend
   that counts, then hands the graph to inductor); `lit_smd.modules.GRPOModule` logs it as ``train/flex_compiles``.
 * **One block mask per pass and window, built compiled**: the dense view's (``create_block_mask`` over one head;
-  the dense ``[B, H, T, T]`` mask is never materialised), kept by its plan. The shadow view's, per layer, reuses its
-  blocks, every one partial, with the layer's ``mask_mod`` (`_within`): the shadow view sees a subset of the dense
-  view, so no block it needs is missing. ``create_block_mask`` per layer and query head evaluated the ``mask_mod``
-  at every one of the ``H x T^2`` positions, which on an H200 cost more than the attention itself (Qwen3-1.7B shape,
-  2 x 8k completions: SMD's learner step 5.8 s against dense's 0.83 s); blocks a layer's eviction empties entirely
-  are now computed, masked, as the dense view computes them.
+  the dense ``[B, H, T, T]`` mask is never materialised), kept by its plan. The shadow view's, per layer, starts from
+  its blocks (`_within`; the shadow view sees a subset of the dense view, so no block it needs is missing) and
+  classifies them from each key block's earliest and latest eviction step over every KV head, without evaluating
+  the ``mask_mod``: a block whose keys were all evicted before the query block's first query is skipped, a dense
+  full block none of whose keys leaves before the query block's last query stays full (no ``mask_mod``), the rest
+  are partial. ``create_block_mask`` per layer and query head evaluated the ``mask_mod`` at every one of the
+  ``H x T^2`` positions, which on an H200 cost more than the attention itself (Qwen3-1.7B shape, 2 x 8k
+  completions: SMD's learner step 5.8 s against dense's 0.83 s). The classification pays for evictions that empty
+  or spare whole 128-key blocks: StreamingLLM's recent window (1024 keys, 1k prompt + 2 x 8k completions: 75% of
+  the dense view's blocks skipped, 18% full) and SnapKV at prefill only (78% full); H2O's scattered evictions leave
+  nearly every block partial.
 """
 
 from __future__ import annotations
@@ -267,19 +272,121 @@ def _block_mask(mask_mod: MaskMod, rows: int, size: int, device: torch.device):
     return _call_compiled("create_block_mask", create_block_mask, mask_mod, rows, 1, size, size, device)
 
 
-def _within(dense: BlockMask, mask_mod: MaskMod) -> BlockMask:
-    """The shadow view's BlockMask: the dense view's non-empty blocks, every one partial (``mask_mod`` applied).
+def _blocks_of(num_blocks: Tensor | None, indices: Tensor | None, like: Tensor) -> Tensor:
+    """``[rows, H, QB, KB]`` bool: the blocks that ``(num_blocks [rows, H, QB], indices [rows, H, QB, KB])`` list
+    (all False for None), shaped as ``like``."""
+    if num_blocks is None:
+        return torch.zeros(like.shape, dtype=torch.bool, device=like.device)
+    listed = torch.arange(indices.shape[-1], device=indices.device) < num_blocks[..., None]  # [rows, H, QB, KB]
+    blocks = torch.zeros(*indices.shape[:-1], indices.shape[-1] + 1, dtype=torch.bool, device=indices.device)
+    blocks.scatter_(-1, torch.where(listed, indices.long(), indices.shape[-1]), True)  # unlisted: the spare column
+    return blocks[..., :-1]
+
+
+def _listed(blocks: Tensor) -> tuple[Tensor, Tensor]:
+    """``blocks [rows, H, QB, KB]`` bool -> ``(num_blocks [rows, H, QB], indices [rows, H, QB, KB])`` int32."""
+    num_blocks = blocks.sum(-1, dtype=torch.int32)
+    indices = torch.argsort(blocks.to(torch.uint8), dim=-1, descending=True, stable=True).to(torch.int32)
+    return num_blocks, indices
+
+
+def _within(dense: BlockMask, mask_mod: MaskMod, evicted: Tensor, whole: Tensor) -> BlockMask:
+    """The shadow view's BlockMask: the dense view's non-empty blocks less those the evictions empty (``evicted``),
+    partial (``mask_mod`` applied) but for the dense view's full blocks that no eviction touches (``whole``).
 
     The shadow view sees a subset of what the dense view sees (eviction only hides keys), so the dense view's blocks
-    hold every key it can see; no element of the shadow view's mask is evaluated here (``create_block_mask`` would
-    evaluate all ``H x size^2`` of them, per layer: on CUDA that cost more than the attention).
+    hold every key it can see. No element of the shadow view's mask is evaluated here (``create_block_mask`` would
+    evaluate all ``H x size^2`` of them, per layer: on CUDA that cost more than the attention); ``evicted`` and
+    ``whole`` (``[rows, QB, KB]`` bool, every head) come from the eviction steps' extremes per key block
+    (`_row_eviction_blocks`, `_packed_eviction_blocks`).
     """
-    blocks = dense.to_dense()  # [rows, 1, size / 128, size / 128] int32, 1 where the dense view sees something
-    kv_num_blocks = blocks.sum(-1, dtype=torch.int32)  # [rows, 1, QB]
-    kv_indices = torch.argsort(blocks, dim=-1, descending=True, stable=True).to(torch.int32)  # non-empty first
+    full = _blocks_of(dense.full_kv_num_blocks, dense.full_kv_indices, dense.kv_indices)  # [rows, 1, QB, KB]
+    seen = _blocks_of(dense.kv_num_blocks, dense.kv_indices, dense.kv_indices) | full
+    full = full & whole[:, None]
+    partial = seen & ~evicted[:, None] & ~full
     return BlockMask.from_kv_blocks(
-        kv_num_blocks, kv_indices, BLOCK_SIZE=dense.BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=dense.seq_lengths
+        *_listed(partial), *_listed(full), BLOCK_SIZE=dense.BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=dense.seq_lengths
     )
+
+
+def _query_blocks(dense: BlockMask) -> tuple[Tensor, Tensor, Tensor]:
+    """The query blocks' first and last columns ``[QB]`` and whether each holds a query that is also a key column
+    of key block ``kb`` (``[QB, KB]``: a query sees itself whatever the evictions)."""
+    q_size, kv_size = dense.BLOCK_SIZE
+    num_q, num_kv = dense.kv_indices.shape[-2:]
+    device = dense.kv_indices.device
+    first = torch.arange(num_q, device=device) * q_size  # [QB]
+    last = first + q_size - 1
+    kv_first = torch.arange(num_kv, device=device) * kv_size  # [KB]
+    diagonal = (first[:, None] < kv_first[None] + kv_size) & (kv_first[None] <= last[:, None])  # [QB, KB]
+    return first, last, diagonal
+
+
+def _key_block_extremes(steps: Tensor, block: int, num_blocks: int, low_fill: int) -> tuple[Tensor, Tensor]:
+    """``steps [..., C]`` -> the latest and earliest eviction step per key block ``[..., num_blocks]``; columns past
+    ``C`` count as 0 for the latest and as ``low_fill`` for the earliest."""
+    span = num_blocks * block - steps.shape[-1]
+    latest = F.pad(steps, (0, span), value=0).unflatten(-1, (num_blocks, block)).amax(-1)
+    earliest = F.pad(steps, (0, span), value=low_fill).unflatten(-1, (num_blocks, block)).amin(-1)
+    return latest, earliest
+
+
+def _row_eviction_blocks(dense: BlockMask, steps: Tensor, width: int) -> tuple[Tensor, Tensor]:
+    """``(evicted, whole)`` ``[rows, QB, KB]`` of a per-row pass (`_within`): a key block whose every key, on every
+    KV head, was evicted by the query block's first query (and that holds none of the block's own queries); a key
+    block none of whose keys is evicted before the query block's last query."""
+    rows = dense.kv_indices.shape[0]
+    first, last, diagonal = _query_blocks(dense)
+    steps = _pad_to(steps[..., :width], (rows, steps.shape[1], width))  # [rows, Hkv, T]
+    latest, earliest = _key_block_extremes(steps, dense.BLOCK_SIZE[1], dense.kv_indices.shape[-1], 0)
+    latest, earliest = latest.amax(1), earliest.amin(1)  # [rows, KB]: every head
+    evicted = (latest[:, None] <= first[None, :, None]) & ~diagonal  # [rows, QB, KB]
+    whole = earliest[:, None] > last[None, :, None]
+    return evicted, whole
+
+
+def _packed_eviction_blocks(
+    dense: BlockMask, prompt_lengths: Tensor, prompt_width: int, num_slots: int, slot_width: int, steps: Tensor
+) -> tuple[Tensor, Tensor]:
+    """``(evicted, whole)`` ``[rows, QB, KB]`` of a packed pass (`_within`), as `_row_eviction_blocks` with the
+    packed layout's positions: a slot query's logical position is ``P + t``, and it reads the prompt keys' eviction
+    steps of its own slot. Query blocks with prompt queries keep the dense view's blocks (prompt queries see the
+    dense view); a query block spanning more than two slots takes the extremes over all slots."""
+    rows, num_kv = dense.kv_indices.shape[0], dense.kv_indices.shape[-1]
+    kv_size = dense.BLOCK_SIZE[1]
+    first, last, diagonal = _query_blocks(dense)
+    width, new, total = prompt_width, slot_width, prompt_width + num_slots * slot_width
+    never = torch.iinfo(torch.int32).max
+    steps = _pad_to(steps, (rows, *steps.shape[1:]))  # [rows, Hkv, S, W + N]
+    # The prompt keys' steps per slot, and the slot keys' in packed columns (prompt columns neutral).
+    prompt_latest, prompt_earliest = _key_block_extremes(steps[..., :width], kv_size, -(-width // kv_size), never)
+    prompt_latest = F.pad(prompt_latest.amax(1), (0, num_kv - prompt_latest.shape[-1]))  # [rows, S, KB]
+    prompt_earliest = F.pad(prompt_earliest.amin(1), (0, num_kv - prompt_earliest.shape[-1]), value=never)
+    own = steps[..., width:].flatten(2)  # [rows, Hkv, S*N]: slot s's key t at packed column W + s*N + t
+    own_latest = _key_block_extremes(F.pad(own, (width, 0)), kv_size, num_kv, 0)[0].amax(1)  # [rows, KB]
+    own_earliest = _key_block_extremes(F.pad(own, (width, 0), value=never), kv_size, num_kv, 0)[1].amin(1)
+    # The query blocks' slots and logical positions.
+    stop = last.clamp(max=total - 1)
+    first_slot, last_slot = ((first - width) // new).clamp(0, num_slots - 1), ((stop - width) // new).clamp(min=0)
+    one_slot = first_slot == last_slot  # [QB]
+    lengths = _pad_to(prompt_lengths, (rows,))[:, None]  # [rows, 1]
+    low = lengths + torch.where(one_slot, (first - width) % new, 0)  # [rows, QB]
+    high = lengths + torch.where(one_slot, (stop - width) % new, new - 1)
+    last_slot = last_slot.clamp(max=num_slots - 1)
+
+    def over_slots(table: Tensor, largest: bool) -> Tensor:  # [rows, S, KB] -> [rows, QB, KB]
+        pick = torch.maximum if largest else torch.minimum
+        everywhere = table.amax(1, keepdim=True) if largest else table.amin(1, keepdim=True)
+        wide = (last_slot - first_slot > 1)[None, :, None]
+        return torch.where(wide, everywhere, pick(table[:, first_slot], table[:, last_slot]))
+
+    latest = torch.maximum(over_slots(prompt_latest, True), own_latest[:, None])  # [rows, QB, KB]
+    earliest = torch.minimum(over_slots(prompt_earliest, False), own_earliest[:, None])
+    slot_block = (first >= width)[None, :, None]  # [1, QB, 1]
+    prompt_block = (last < width)[None, :, None]
+    evicted = slot_block & (latest <= low[..., None]) & ~diagonal
+    whole = prompt_block | (slot_block & (earliest > high[..., None]))
+    return evicted, whole
 
 
 def row_block_mask(
@@ -304,7 +411,8 @@ def row_block_mask(
         dense = _block_mask(mask_mod, rows, size, lengths.device)
     if steps is None:
         return dense
-    return _within(dense, row_mask_mod(lengths, steps, width, sliding_window, num_heads // steps.shape[1])[0])
+    mask_mod = row_mask_mod(lengths, steps, width, sliding_window, num_heads // steps.shape[1])[0]
+    return _within(dense, mask_mod, *_row_eviction_blocks(dense, steps, width))
 
 
 def packed_block_mask(
@@ -330,7 +438,8 @@ def packed_block_mask(
         dense = _block_mask(mask_mod, rows, size, prompt_lengths.device)
     if steps is None:
         return dense
-    return _within(dense, packed_mask_mod(*layout, steps, sliding_window, num_heads // steps.shape[1])[0])
+    mask_mod = packed_mask_mod(*layout, steps, sliding_window, num_heads // steps.shape[1])[0]
+    return _within(dense, mask_mod, *_packed_eviction_blocks(dense, *layout, steps))
 
 
 # -------------------------------------------------------------------------------------------------------- attention

@@ -86,26 +86,150 @@ def uncompiled_block_masks(monkeypatch):
         mask_mod, rows, 1, size, size, device=device))  # fmt: skip
 
 
+NEVER = torch.iinfo(torch.int32).max
+
+
+def _pattern(name: str, logical: torch.Tensor, kv_heads: int, prompt: torch.Tensor, seed: int = 0) -> torch.Tensor:
+    """``[rows, H_kv, T]`` int32 eviction steps over keys at logical positions ``logical [rows, T]``: ``recent``
+    (4 sinks, each other key evicted 40 positions after it), ``prefill`` (half the prompt keys dropped per head when
+    the prompt ``[rows]`` ends, nothing later), ``random`` (anywhere after the key)."""
+    g = torch.Generator().manual_seed(seed)
+    rows, width = logical.shape
+    logical = logical[:, None].expand(rows, kv_heads, width).long()
+    if name == "recent":
+        steps = torch.where(logical < 4, NEVER, logical + 40)
+    elif name == "prefill":
+        dropped = (torch.rand(rows, kv_heads, width, generator=g) < 0.5) & (logical < prompt[:, None, None] - 8)
+        steps = torch.where(dropped, prompt[:, None, None].expand_as(logical), NEVER)
+    else:
+        steps = logical + torch.randint(1, 2 * width, (rows, kv_heads, width), generator=g)
+    return steps.to(torch.int32)
+
+
+def _block_counts(block_mask, mask_mod, rows: int, heads: int, size: int) -> tuple[int, int]:
+    """Check a shadow view's BlockMask against its ``mask_mod`` on every head and position: every visible position
+    lies in a computed block, every position of a full block is visible. Returns (computed blocks, full blocks)."""
+    visible = create_mask(mask_mod, rows, heads, size, size, device="cpu")  # [rows, Hq, size, size]
+    side = block_mask.BLOCK_SIZE[0]
+    partial = flex._blocks_of(block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.kv_indices)
+    full = flex._blocks_of(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, block_mask.kv_indices)
+
+    def positions(blocks: torch.Tensor) -> torch.Tensor:  # [rows, 1, QB, KB] -> [rows, 1, size, size]
+        return blocks.repeat_interleave(side, 2).repeat_interleave(side, 3)[..., :size, :size]
+
+    assert not (partial & full).any()
+    assert not (visible & ~positions(partial | full)).any()  # nothing visible is skipped
+    assert visible[positions(full).expand_as(visible)].all()  # no mask is needed where none is applied
+    return int((partial | full).sum()), int(full.sum())
+
+
+def _aligned_steps(rows: int, kv_heads: int, keys: int, base: torch.Tensor, seed: int) -> torch.Tensor:
+    """``[rows, H_kv, keys]`` eviction steps, one per 128-key block and head: key block ``j``'s keys leave at
+    ``base + 128 (j + 1 + r) + o``, ``r`` in 0..2 per head and ``o`` in (0, 1, 127, 128): the first or second
+    query, or the last or the one after it, of a later query block whose first position is
+    ``base + 128 (j + 1 + r)``."""
+    g = torch.Generator().manual_seed(seed)
+    blocks = -(-keys // 128)
+    later = torch.randint(0, 3, (rows, kv_heads, blocks), generator=g)  # per head; the offset the same on each
+    offset = torch.tensor([0, 1, 127, 128])[torch.randint(0, 4, (rows, 1, blocks), generator=g)]
+    steps = base[:, None, None] + 128 * (torch.arange(blocks) + 1 + later) + offset
+    return steps.repeat_interleave(128, dim=-1)[..., :keys].to(torch.int32)
+
+
+def _exact_blocks(block_mask, mask_mod, rows: int, heads: int, size: int) -> None:
+    """The BlockMask computes exactly the blocks with a visible position on some head, and marks full exactly those
+    visible everywhere on every head."""
+    visible = create_mask(mask_mod, rows, heads, size, size, device="cpu")  # [rows, Hq, size, size]
+    tiles = visible.unflatten(2, (-1, 128)).unflatten(4, (-1, 128))  # [rows, Hq, QB, 128, KB, 128]
+    needed = tiles.any(5).any(3).any(1, keepdim=True)  # [rows, 1, QB, KB]
+    whole = tiles.all(5).all(3).all(1, keepdim=True)
+    partial = flex._blocks_of(block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.kv_indices)
+    full = flex._blocks_of(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, block_mask.kv_indices)
+    assert torch.equal(partial | full, needed) and torch.equal(full, whole)
+    assert full.any() and (needed.sum() < block_mask.seq_lengths[0] // 128 * (block_mask.seq_lengths[0] // 128 + 1))
+
+
+def test_shadow_block_mask_is_exact_for_block_aligned_evictions(uncompiled_block_masks):
+    """Evictions at and around query-block boundaries, one step per key block: the per-row and packed BlockMasks
+    compute exactly the blocks some head sees into, full exactly where every head sees everything (off by one
+    position either way, a block would be skipped with a visible key, or computed unmasked with a hidden one)."""
+    heads, kv_heads = 4, 2
+    width = 640
+    lengths = torch.full((2,), width)
+    steps = _aligned_steps(2, kv_heads, width, torch.zeros(2, dtype=torch.long), seed=0)
+    dense = flex.row_block_mask(lengths, None, heads, width, None)
+    block_mask = flex.row_block_mask(lengths, steps, heads, width, None, dense=dense)
+    mask_mod, rows, size = row_mask_mod(lengths, steps, width, None, heads // kv_heads)
+    _exact_blocks(block_mask, mask_mod, rows, heads, size)
+
+    prompt_width, slots, new = 256, 2, 512
+    prompt_lengths = torch.tensor([256, 200])
+    per_slot = []
+    for slot in range(slots):  # prompt keys: the slot's query blocks start at P + 128 r; own keys as above
+        prompt = _aligned_steps(2, kv_heads, prompt_width, prompt_lengths - 128, seed=10 + slot)
+        own = _aligned_steps(2, kv_heads, new, prompt_lengths, seed=20 + slot)
+        per_slot.append(torch.cat([prompt, own], dim=-1))
+    steps = torch.stack(per_slot, dim=2)  # [R, Hkv, S, W + N]
+    layout = (prompt_lengths, prompt_width, slots, new)
+    dense = flex.packed_block_mask(*layout, None, heads, None)
+    block_mask = flex.packed_block_mask(*layout, steps, heads, None, dense=dense)
+    mask_mod, rows, size = flex.packed_mask_mod(*layout, steps, None, heads // kv_heads)
+    _exact_blocks(block_mask, mask_mod, rows, heads, size)
+
+
+@pytest.mark.parametrize("pattern", ["recent", "prefill", "random"])
 @pytest.mark.parametrize("window", [None, 100])
-def test_shadow_block_mask_holds_every_visible_position_per_row(uncompiled_block_masks, window):
-    """The shadow view's BlockMask reuses the dense view's blocks, all partial: every position the layer's
-    ``mask_mod`` shows lies in a computed block, and blocks the dense view skips (above the diagonal, outside the
-    window) stay skipped."""
+def test_shadow_block_mask_per_row_skips_evicted_blocks_and_keeps_every_visible_one(
+    uncompiled_block_masks, pattern, window
+):
+    """The shadow view's BlockMask computes the dense view's blocks less those the evictions empty on every head,
+    with no mask where no eviction touches a full block: exact against the ``mask_mod`` on every position."""
     rows, width, heads, kv_heads = 3, 600, 4, 2
-    plan = _plan(rows, width, kv_heads, shadow=True)
-    steps = plan.shadow.evict_steps[1 % plan.shadow.evict_steps.shape[0]]
-    dense = flex.row_block_mask(plan.lengths, None, heads, width, window)
-    block_mask = flex.row_block_mask(plan.lengths, steps, heads, width, window, dense=dense)
-    mask_mod, padded_rows, size = row_mask_mod(plan.lengths, steps, width, window, heads // kv_heads)
-    visible = create_mask(mask_mod, padded_rows, heads, size, size, device="cpu")  # [rows, Hq, size, size]
-    assert block_mask.full_kv_num_blocks is None and block_mask.mask_mod is not dense.mask_mod
-    assert torch.equal(block_mask.to_dense(), dense.to_dense())
-    covered = _covered(block_mask)
-    assert not (visible & ~covered).any()
+    lengths = torch.tensor([width, width - 77, width // 2])
+    steps = _pattern(pattern, torch.arange(width).expand(rows, -1), kv_heads, torch.full((rows,), 200))
+    steps = steps.masked_fill(torch.arange(width) >= lengths[:, None, None], 0)  # padding: a query sees only itself
+    dense = flex.row_block_mask(lengths, None, heads, width, window)
+    block_mask = flex.row_block_mask(lengths, steps, heads, width, window, dense=dense)
+    mask_mod, padded_rows, size = row_mask_mod(lengths, steps, width, window, heads // kv_heads)
+    computed, full = _block_counts(block_mask, mask_mod, padded_rows, heads, size)
+    assert block_mask.mask_mod is not dense.mask_mod and computed <= int(dense.to_dense().sum())
     upper = torch.ones(size // 128, size // 128, dtype=torch.bool).triu(1)
     assert not block_mask.to_dense()[..., upper].any()
     if window is not None:  # query block 4 and key block 0 are over 100 positions apart: skipped
         assert not block_mask.to_dense()[:, :, 4, 0].any()
+    if pattern == "recent" and window is None:  # keys 4..127 are gone by query 168: key block 0 is partial there,
+        assert computed < int(dense.to_dense().sum())  # key blocks 1..2 empty for query block 4
+    if pattern == "prefill" and window is None:  # no completion key is evicted: whole blocks below the diagonal
+        assert full > 0
+
+
+@pytest.mark.parametrize("pattern", ["recent", "prefill", "random", "by_slot"])
+@pytest.mark.parametrize(
+    ("prompt_width", "prompt_lengths", "num_slots", "slot_width"),
+    [(200, (200, 150), 2, 300), (128, (120, 128), 5, 50), (64, (10, 64), 3, 200)],
+)  # the second: query blocks spanning three slots
+def test_shadow_block_mask_packed_skips_evicted_blocks_and_keeps_every_visible_one(
+    uncompiled_block_masks, pattern, prompt_width, prompt_lengths, num_slots, slot_width
+):
+    heads, kv_heads = 4, 2
+    prompt_lengths = torch.tensor(prompt_lengths)
+    columns = torch.arange(prompt_width + slot_width)
+    logical = torch.where(columns < prompt_width, columns, prompt_lengths[:, None] + columns - prompt_width)
+    if pattern == "by_slot":  # the whole prompt evicted when it ends, but in slot 1
+        in_prompt = (columns < prompt_width).expand(len(prompt_lengths), kv_heads, -1)
+        evicted = torch.where(in_prompt, prompt_lengths[:, None, None], NEVER)
+        per_slot = [torch.full_like(evicted, NEVER) if slot == 1 else evicted for slot in range(num_slots)]
+    else:
+        per_slot = [_pattern(pattern, logical, kv_heads, prompt_lengths, seed=slot) for slot in range(num_slots)]
+    steps = torch.stack(per_slot, dim=2).to(torch.int32)  # [R, Hkv, S, W + N]
+    layout = (prompt_lengths, prompt_width, num_slots, slot_width)
+    dense = flex.packed_block_mask(*layout, None, heads, None)
+    block_mask = flex.packed_block_mask(*layout, steps, heads, None, dense=dense)
+    mask_mod, padded_rows, size = flex.packed_mask_mod(*layout, steps, None, heads // kv_heads)
+    computed, _ = _block_counts(block_mask, mask_mod, padded_rows, heads, size)
+    assert computed <= int(dense.to_dense().sum())
+    if pattern == "recent" and num_slots == 2:
+        assert computed < int(dense.to_dense().sum())
 
 
 def test_shadow_block_mask_holds_every_visible_position_packed(peaky_model_factory, uncompiled_block_masks):
@@ -121,7 +245,7 @@ def test_shadow_block_mask_holds_every_visible_position_packed(peaky_model_facto
         block_mask = flex.packed_block_mask(*layout, plan.steps[layer], heads, None, dense=dense)
         mask_mod, padded_rows, size = flex.packed_mask_mod(*layout, plan.steps[layer], None, heads // kv_heads)
         visible = create_mask(mask_mod, padded_rows, heads, size, size, device="cpu")
-        assert size >= 384 and block_mask.full_kv_num_blocks is None
+        assert size >= 384
         assert not (visible & ~_covered(block_mask)).any()
 
 
@@ -192,6 +316,34 @@ def test_compilations_stop_growing_with_the_number_of_batches(monkeypatch):
     monkeypatch.setattr(flex, "RECOMPILE_LIMIT", 1)
     with pytest.raises(FlexRecompileLimitError, match="RECOMPILE_LIMIT=1"):
         run(3, 300)  # a third bucket, over the limit
+
+
+@pytest.mark.slow
+def test_compiled_flex_skips_the_blocks_a_recent_window_evicts(peaky_model_factory, monkeypatch):
+    """StreamingLLM's window (4 sinks, 24 keys) after a ~300-token prompt: the shadow BlockMasks skip key blocks the
+    window left behind and run unmasked blocks the evictions do not touch, and compiled FlexAttention still equals
+    SDPA per row and shared prefix (float32, forward) and replays the sampler."""
+    model = peaky_model_factory("qwen3", dtype=torch.float32)
+    ids, mask = _prompts(model.config.vocab_size, lengths=(300, 287))
+    rollout = generate(model, ids, mask, compressor=make_compressor("recent"), max_new_tokens=100, num_generations=2,
+                       generator=torch.Generator().manual_seed(0))  # fmt: skip
+    within, kinds = flex._within, []
+
+    def counting_within(dense, mask_mod, evicted, whole):
+        block_mask = within(dense, mask_mod, evicted, whole)
+        kinds.append((bool(evicted.any()), int(block_mask.full_kv_num_blocks.sum()) > 0))
+        return block_mask
+
+    monkeypatch.setattr(flex, "_within", counting_within)
+    completion = rollout.completion_mask[..., None]
+    with torch.no_grad():
+        for layout in ("per_row", "shared_prefix"):
+            flex_out = learner_hidden_states(model, rollout, layout=layout, backend="flex").hidden
+            sdpa_out = learner_hidden_states(model, rollout, layout=layout, backend="sdpa").hidden
+            assert ((flex_out - sdpa_out) * completion).abs().max() <= 1e-5, layout
+        flex_logprobs = score(model, rollout, backend="flex")
+    assert (flex_logprobs - rollout.logprobs)[rollout.completion_mask].abs().max() <= 1e-4
+    assert all(evicted and full for evicted, full in kinds) and len(kinds) == 3 * model.config.num_hidden_layers
 
 
 @pytest.mark.slow
