@@ -2,7 +2,8 @@
 # The GPU check: one prepared command for the lent CUDA machine (`nvidia-h200`: one H200, torch 2.11, transformers
 # 5.17, lightning, torchmetrics, triton; no datasets / jsonargparse / math-verify; no network; commands of at most
 # 10 minutes; at most 8 result files). It finishes within GPU_CHECK_SECONDS (default 470 s, under 8 minutes), every part
-# time-boxed, and writes 7 files to $OUT: log.txt, summary.md, tests.txt, learner.{json,md}, decode.{json,md}.
+# time-boxed, and writes 8 files to $OUT: log.txt, summary.md, tests.txt, blocks.md, learner.{json,md},
+# decode.{json,md}.
 #
 # Here (network to PyPI), once, from the repository root (.whl/ is git-ignored):
 #     python benchmarks/gpu_wheels.py download          # transformers 5.24, datasets, jsonargparse, math-verify, ...
@@ -15,14 +16,18 @@
 #                first on PYTHONPATH; stop here if transformers is still older than lit_smd needs
 #   1. tests     pytest tests/kv/test_flex_cuda.py (skipped without CUDA): the FlexAttention learner forward and
 #                backward against SDPA, the shadow mask replayed against the CUDA sampler, a bf16 SMD fit    <= 150 s
-#   2. learner   benchmarks/gpu_learner.py: dense and SMD learner steps side by side at 8k and 7.75k
+#   2. blocks    benchmarks/bench_flex_blocks.py: one packed layer (Qwen3-1.7B heads, 1024 + 2 x 8192) on FlexAttention,
+#                forward + backward, the shadow view's block masks (all partial as before, classified, and the
+#                keys-sorted prototype) against the dense view's, per eviction pattern (h2o, recent, prefill)  <= 100 s
+#   3. learner   benchmarks/gpu_learner.py: dense and SMD learner steps side by side at 8k and 7.75k
 #                completions on FlexAttention: peak memory, time, ratios to dense, compilations, and a profile of
 #                one more step per mode (top operators by device time)                                          <= 240 s
-#   3. decode    benchmarks/gpu_decode.py: decode tokens/s of lit_smd dense and SnapKV-then-H2O at 0.5 vs transformers'
+#   4. decode    benchmarks/gpu_decode.py: decode tokens/s of lit_smd dense and SnapKV-then-H2O at 0.5 vs transformers'
 #                generate (dynamic cache; static cache + torch.compile), Qwen3-1.7B shape, 64 rows, 1024+1024 and
 #                8192+1024 (DECODE_ARGS replaces these flags), eager and compiled; GPU memory after generate
 #                returns                                                                                 the time left
-# GPU_CHECK_PARTS (default "tests learner decode") names the parts to run.
+# GPU_CHECK_PARTS (default "tests blocks learner decode") names the parts to run; LEARNER_ARGS adds flags to the
+# learner part (e.g. "--masks lifetimes recent prefill").
 # Without a CUDA device (or with GPU_CHECK_TOY=1) every part runs at toy size on the CPU (`--toy`, seconds): the
 # test suite runs it so (tests/test_gpu_check.py).
 set -u
@@ -32,7 +37,7 @@ WHEELS=${WHEELS:-.whl}
 SITE=${SITE:-/tmp/site}
 PY=${PYTHON:-python3}
 LIMIT=${GPU_CHECK_SECONDS:-470}
-PARTS=" ${GPU_CHECK_PARTS:-tests learner decode} "  # the parts to run, by name
+PARTS=" ${GPU_CHECK_PARTS:-tests blocks learner decode} "  # the parts to run, by name
 mkdir -p "$OUT"
 exec > >(tee -a "$OUT/log.txt") 2>&1
 export PYTHONUNBUFFERED=1 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false
@@ -47,9 +52,11 @@ if [ "$TOY" = auto ]; then
 fi
 if [ "$TOY" = 1 ]; then
     ARGS=(--toy --device cpu)
+    BLOCKS=(--device cpu --prompt 256 --new 384 --heads 4 --kv-heads 2 --head-dim 16 --recent 128 --repeats 1)
     echo "=== no CUDA device (or GPU_CHECK_TOY=1): toy sizes on the CPU; the figures are meaningless"
 else
     ARGS=(--device cuda)
+    BLOCKS=(--device cuda)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
 fi
 
@@ -84,7 +91,10 @@ part() {  # part NAME SECONDS COMMAND...: at most SECONDS, and never past the ch
 part tests 150 $PY -m pytest -q -p no:cacheprovider tests/kv/test_flex_cuda.py --junit-xml=/tmp/junit.xml \
     > "$OUT/tests.txt" 2>&1
 cat "$OUT/tests.txt"
-part learner 240 $PY benchmarks/gpu_learner.py "${ARGS[@]}" --profile --json "$OUT/learner.json" --markdown "$OUT/learner.md"
+part blocks 100 $PY benchmarks/bench_flex_blocks.py "${BLOCKS[@]}" --markdown "$OUT/blocks.md"
+read -r -a LEARNER <<< "${LEARNER_ARGS:-}"
+part learner 240 $PY benchmarks/gpu_learner.py "${ARGS[@]}" --profile "${LEARNER[@]}" --json "$OUT/learner.json" \
+    --markdown "$OUT/learner.md"
 read -r -a DECODE <<< "${DECODE_ARGS:-}"
 part decode 310 $PY benchmarks/gpu_decode.py "${ARGS[@]}" "${DECODE[@]}" --json "$OUT/decode.json" \
     --markdown "$OUT/decode.md"
@@ -96,7 +106,7 @@ part decode 310 $PY benchmarks/gpu_decode.py "${ARGS[@]}" "${DECODE[@]}" --json 
     echo
     echo "<!-- tests: ${STATUS[tests]:-not run} -->"
     tail -n 5 "$OUT/tests.txt" 2>/dev/null || echo "(no test output)"
-    for name in learner decode; do
+    for name in blocks learner decode; do
         echo
         echo "<!-- $name: ${STATUS[$name]:-not run} -->"
         if [ -f "$OUT/$name.md" ]; then cat "$OUT/$name.md"; else echo "($name wrote no table; see log.txt)"; fi
@@ -104,5 +114,5 @@ part decode 310 $PY benchmarks/gpu_decode.py "${ARGS[@]}" "${DECODE[@]}" --json 
 } > "$OUT/summary.md"
 echo
 echo "=== summary (total $(elapsed)s)"
-for name in tests learner decode; do echo "$name: ${STATUS[$name]:-not run}"; done
+for name in tests blocks learner decode; do echo "$name: ${STATUS[$name]:-not run}"; done
 exit 0

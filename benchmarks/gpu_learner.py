@@ -6,7 +6,8 @@ The model of `gpu_decode` (Qwen3-1.7B shape, random weights, bfloat16). One prom
 buckets, so its steps show whether a new width reuses the compiled kernels; 16384 fits the H200 too, but not in the GPU
 check's time with both layouts), a synthetic SnapKV-then-H2O shadow mask (every key of every layer, row and KV head
 lives an exponentially distributed number of steps of mean ``--budget`` x the sequence length, at least ``--window``;
-prompt keys live at least to the end of the prompt; 4 sinks are never evicted), rewards 0/1. Per length, ``--steps``
+prompt keys live at least to the end of the prompt; 4 sinks are never evicted; ``--masks`` adds a recent window
+and SnapKV-only prefill drops, `synthetic_rollout`), rewards 0/1. Per length, ``--steps``
 rounds of one learner step per mode in ``--modes`` (default dense, then smd), as a training step runs them
 (`GRPOModule.make_experience`, ``training_step``, then ``backward``; SMD: the shadow-masked pass, the no-grad dense
 teacher and the KL), in each layout of ``--layouts`` (default shared prefix, then per row, as ``score()``, fallback rows
@@ -47,15 +48,27 @@ def dynamo_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
-def synthetic_rollout(config, prompt: int, new: int, group: int, args, device) -> Rollout:
-    """``group`` completions of ``new`` tokens of one ``prompt``-token prompt, with a synthetic shadow mask."""
+MASKS = ("lifetimes", "recent", "prefill")
+"""Synthetic shadow masks (`synthetic_rollout`): scattered key lifetimes (H2O-like), a recent window, prefill drops."""
+
+
+def synthetic_rollout(config, prompt: int, new: int, group: int, args, device, mask: str = "lifetimes") -> Rollout:
+    """``group`` completions of ``new`` tokens of one ``prompt``-token prompt, with a synthetic shadow mask: key
+    lifetimes exponential of mean ``budget x length`` (``lifetimes``), all ``budget x length`` (``recent``: a window),
+    or half the prompt dropped when it ends and nothing later (``prefill``: SnapKV alone); prompt keys live at least
+    to the prompt's end, 4 sinks are never evicted."""
     generator = torch.Generator().manual_seed(new)
     length = prompt + new
     prompt_ids = torch.randint(7, config.vocab_size, (1, prompt), generator=generator).expand(group, -1)
     completion = torch.randint(7, config.vocab_size, (group, new), generator=generator)
     shape = (config.num_hidden_layers, group, config.num_key_value_heads, length)
     uniform = torch.rand(shape, generator=generator).clamp(min=1e-12)
-    lifetime = (-args.budget * length * uniform.log()).long().clamp(min=args.window)
+    if mask == "lifetimes":
+        lifetime = (-args.budget * length * uniform.log()).long().clamp(min=args.window)
+    elif mask == "recent":
+        lifetime = torch.full(shape, max(args.window, int(args.budget * length)))
+    else:  # prefill: the prompt keys drawn below 1 - budget leave when the prompt ends
+        lifetime = torch.where((uniform < 1 - args.budget) & (torch.arange(length) < prompt), 0, length)
     steps = torch.maximum(torch.arange(length) + lifetime, torch.tensor(prompt))
     steps[..., :4] = NEVER
     steps = torch.where(steps >= length, torch.tensor(NEVER), steps).to(torch.int32)
@@ -123,11 +136,12 @@ def with_ratios(results: list[dict[str, Any]]) -> None:
 
 
 def _table(results: list[dict[str, Any]]) -> str:
-    lines = [[r["layout"], r["prompt"], r["new"], r["group"], r["step"], r["mode"], C.fmt(r.get("time_s"), ".2f"),
+    lines = [[r["layout"], r["prompt"], r["new"], r["group"], r["step"], r["mode"], r.get("mask", "-"),
+              C.fmt(r.get("time_s"), ".2f"),
               C.fmt(r.get("time_ratio"), ".2f"), C.mib(r.get("peak_bytes")), C.fmt(r.get("peak_ratio"), ".2f"),
               r.get("dynamo_graphs", "n/a"), C.fmt(r.get("lit_smd_compilations"), "d"), r["status"]]
              for r in results]  # fmt: skip
-    headers = ["layout", "prompt", "completion", "G", "round", "mode", "time s", "time x dense", "peak MiB",
+    headers = ["layout", "prompt", "completion", "G", "round", "mode", "mask", "time s", "time x dense", "peak MiB",
                "peak x dense", "dynamo graphs compiled", "flex compilations", "status"]  # fmt: skip
     return C.markdown_table(headers, lines)
 
@@ -143,6 +157,8 @@ def build_parser() -> argparse.ArgumentParser:
                         choices=["shared_prefix", "per_row"])  # fmt: skip
     parser.add_argument("--modes", nargs="+", default=["dense", "smd"], choices=["dense", "naive", "smd"])
     parser.add_argument("--steps", type=int, default=2, help="rounds (one learner step per mode) per length")
+    parser.add_argument("--masks", nargs="+", default=["lifetimes"], choices=MASKS,
+                        help="synthetic shadow masks of the non-dense modes, each its own rows")  # fmt: skip
     parser.add_argument("--budget", type=float, default=0.5)
     parser.add_argument("--window", type=int, default=None, help="default 32 (toy 4)")
     parser.add_argument("--profile", action="store_true",
@@ -171,16 +187,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     print(f"# Learner\n\n{C.describe(env)}; {'toy' if toy else 'Qwen3-1.7B shape'}, {dtype}", flush=True)
     try:
         for (layout, new) in [(layout, new) for layout in args.layouts for new in args.lengths]:
-            rollout = synthetic_rollout(policy.config, args.prompt, new, args.group, args, device)
+            rollouts = {mask: synthetic_rollout(policy.config, args.prompt, new, args.group, args, device, mask)
+                        for mask in args.masks}  # fmt: skip
+            rollout = rollouts[args.masks[0]]
             dense_rollout = dataclasses.replace(rollout, shadow_mask=None)  # a dense sampler's rollout
+            runs = [(mode, mask) for mode in args.modes for mask in (["-"] if mode == "dense" else args.masks)]
             failed = False
             for index in range(1, args.steps + 1):
-                for mode in args.modes:
+                for mode, mask in runs:
                     module = modules[layout, mode]
                     row: dict[str, Any] = {"layout": layout, "prompt": args.prompt, "new": new, "group": args.group,
-                                           "step": index, "mode": mode}  # fmt: skip
+                                           "step": index, "mode": mode, "mask": mask}  # fmt: skip
                     try:
-                        sampled = dense_rollout if mode == "dense" else rollout
+                        sampled = dense_rollout if mode == "dense" else rollouts[mask]
                         row.update(step(module, sampled, args.group, device), status="ok")
                     except torch.OutOfMemoryError as error:
                         row["status"] = f"out of memory: {str(error).splitlines()[0][:80]}"
@@ -189,7 +208,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     payload["results"].append(row)
                     with_ratios(payload["results"])
                     C.write_json(args.json, payload)
-                    print(f"  {layout} {args.prompt}+{args.group}x{new} round {index} {mode}: "
+                    print(f"  {layout} {args.prompt}+{args.group}x{new} round {index} {mode} {mask}: "
                           f"{C.fmt(row.get('time_s'), '.2f')} s, {C.mib(row.get('peak_bytes'))} MiB, "
                           f"{row.get('lit_smd_compilations')} flex compilations ({row['status']})",
                           file=sys.stderr, flush=True)  # fmt: skip

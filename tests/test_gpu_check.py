@@ -89,7 +89,9 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_fallback(tmp_path):
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
     files = sorted(p.name for p in out.iterdir())
-    assert files == ["decode.json", "decode.md", "learner.json", "learner.md", "log.txt", "summary.md", "tests.txt"]
+    assert files == [
+        "blocks.md", "decode.json", "decode.md", "learner.json", "learner.md", "log.txt", "summary.md", "tests.txt"
+    ]
     assert "skipped" in (out / "tests.txt").read_text()  # the CUDA tests, collected and skipped without a GPU
     assert (site / "gpu_check_probe" / "__init__.py").is_file()  # the carried wheel went to the site folder
 
@@ -120,3 +122,4 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_fallback(tmp_path):
     summary = (out / "summary.md").read_text()
     assert "# Decode" in summary and "# Learner" in summary and "installed 1 of 1 carried wheels" in summary
     assert "decode: rc=0" in done.stdout and "learner: rc=0" in done.stdout and "tests: rc=" in done.stdout
+    assert "blocks: rc=0" in done.stdout and "| recent | shadow |" in summary

@@ -1,0 +1,195 @@
+"""One layer of the packed learner on FlexAttention: the shadow view's blocks against the dense view's, per eviction.
+
+A shared-prefix packed row (one ``--prompt``-token prompt, ``--group`` completions of ``--new`` tokens each) with
+random queries, keys and values, compiled FlexAttention (`lit_smd.kv.flex`), three block masks over the same tensors,
+timed in turns in this one process:
+
+* ``dense``: the dense view (`lit_smd.kv.flex.packed_block_mask` without eviction steps), the baseline;
+* ``shadow, all partial``: the shadow view over every dense block, each partial (the ``mask_mod`` evaluated in all
+  of them): how the shadow view ran before its blocks were classified;
+* ``shadow``: the shadow view as the learner runs it, blocks classified from the eviction steps (skipped / full /
+  partial);
+* ``shadow, keys sorted``: a prototype, not in the library: each KV head's keys reordered so that keys which stop
+  being visible together sit in the same blocks (the prompt's by their earliest eviction step over the slots, each
+  slot's by its eviction step, ties by position; a slot's keys are seen by its own queries only), the KV heads
+  folded into the batch (a permutation per head), the ``mask_mod`` reading the original columns through the
+  permutation, and the blocks from ``create_block_mask`` over it (exact; its build is not timed). FlexAttention skips
+  blocks, not keys: this measures what attention over only the live keys could cost with FlexAttention's kernels.
+
+per synthetic eviction pattern in ``--masks``: ``h2o`` (the SnapKV-then-H2O shape of
+``bench_long_context.synthetic_evict_steps`` at ``--budget``: scattered evictions), ``recent`` (StreamingLLM: 4 sinks,
+each other key evicted ``--recent`` positions after it), ``prefill`` (SnapKV at prefill only: the same prompt drops as
+``h2o``, no completion key evicted). On CUDA forward and backward (bfloat16 by default); on the CPU forward only
+(torch has no FlexAttention backward there), float32. Prints the blocks computed and full, and each time as a ratio to
+dense's in the same run (median of ``--repeats``, the variants in turns).
+
+Usage::
+
+    python benchmarks/bench_flex_blocks.py --device cuda          # Qwen3-1.7B heads, 1024 + 2 x 8192
+    python benchmarks/bench_flex_blocks.py --device cpu --new 2048 --heads 4 --kv-heads 2 --head-dim 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+import _common as C
+import torch
+from bench_long_context import MaskPattern, synthetic_evict_steps
+
+from lit_smd.kv import NEVER, flex
+from lit_smd.kv.features import PLAIN
+
+VARIANTS = ("dense", "shadow, all partial", "shadow", "shadow, keys sorted")
+
+
+def eviction_steps(name: str, args: argparse.Namespace) -> torch.Tensor:
+    """``[1, H_kv, S, P + N]`` int32 eviction steps of pattern ``name`` per slot (`lit_smd.kv.packed.PackedPlan`)."""
+    prompt, new = args.prompt, args.new
+    pattern = MaskPattern(budget=args.budget)
+    steps = synthetic_evict_steps(1, 1, args.group, args.kv_heads, prompt, new, pattern, seed=args.seed)[0]
+    if name == "prefill":
+        steps[..., prompt:] = NEVER
+    elif name == "recent":
+        positions = torch.arange(prompt + new)
+        steps = torch.where(positions < 4, NEVER, positions + args.recent).to(torch.int32).expand_as(steps)
+    return steps.permute(1, 0, 2)[None].contiguous()  # [rows=1, Hkv, S, P + N]
+
+
+def sorted_keys(steps: torch.Tensor, tensors: tuple[torch.Tensor, ...], args: argparse.Namespace, device):
+    """The ``shadow, keys sorted`` prototype: ``(query, key, value)`` with the KV heads folded into the batch and each
+    head's keys reordered, and the exact BlockMask of the reordered shadow view."""
+    prompt, new, group, kv_heads = args.prompt, args.new, args.group, args.kv_heads
+    width = prompt + group * new
+    steps = steps[0].long()  # [Hkv, S, P + N]
+    prompt_order = torch.argsort(steps[:, :, :prompt].amin(1) * width + torch.arange(prompt, device=device), dim=-1)
+    slots = [
+        prompt + slot * new + torch.argsort(steps[:, slot, prompt:] * width + torch.arange(new, device=device), dim=-1)
+        for slot in range(group)
+    ]
+    order = torch.cat([prompt_order, *slots], dim=-1)  # [Hkv, W + S*N]: column j holds original column order[h, j]
+    mask_mod, _, size = flex.packed_mask_mod(
+        torch.tensor([prompt], device=device), prompt, group, new, steps[None].to(torch.int32), None, 1
+    )
+    columns = torch.arange(size, device=device)
+    lookup = torch.where(columns < width, flex._pad_to(order, (kv_heads, size)), columns)  # the padding: itself
+
+    def sorted_mask_mod(b, h, q_idx, kv_idx):  # b: the KV head (folded); the original layout has one row
+        return mask_mod(b * 0, b, q_idx, lookup[b, kv_idx])
+
+    block_mask = flex._block_mask(sorted_mask_mod, kv_heads, size, device)
+    query, key, value = tensors
+    gather = order[:, :, None].expand(-1, -1, args.head_dim)
+    folded = (
+        query.reshape(kv_heads, args.heads // kv_heads, width, args.head_dim),
+        key[0].gather(1, gather)[:, None],
+        value[0].gather(1, gather)[:, None],
+    )
+    return folded, block_mask
+
+
+def block_counts(block_mask) -> tuple[float, float]:
+    """(blocks computed, of which full) of a BlockMask, per batch row (per KV head for the folded prototype)."""
+    full = 0 if block_mask.full_kv_num_blocks is None else int(block_mask.full_kv_num_blocks.sum())
+    rows = block_mask.kv_num_blocks.shape[0]
+    return (int(block_mask.kv_num_blocks.sum()) + full) / rows, full / rows
+
+
+def measure(name: str, tensors: tuple[torch.Tensor, ...], dense, args: argparse.Namespace, device) -> dict[str, Any]:
+    """Block counts and times of the three variants for eviction pattern ``name``."""
+    layout = (torch.tensor([args.prompt], device=device), args.prompt, args.group, args.new)
+    steps = eviction_steps(name, args).to(device)
+    shadow = flex.packed_block_mask(*layout, steps, args.heads, None, dense=dense)
+    mask_mod = flex.packed_mask_mod(*layout, steps, None, args.heads // args.kv_heads)[0]
+    none = torch.zeros(dense.kv_indices.shape[0], *dense.kv_indices.shape[2:], dtype=torch.bool, device=device)
+    masks = {"dense": dense, "shadow, all partial": flex._within(dense, mask_mod, none, none), "shadow": shadow}
+    inputs = dict.fromkeys(masks, tensors)
+    inputs["shadow, keys sorted"], masks["shadow, keys sorted"] = sorted_keys(steps, tensors, args, device)
+    backward = device.type == "cuda"
+
+    def run(variant: str) -> None:
+        query, key, value = (t.detach().requires_grad_(backward) for t in inputs[variant])
+        block_mask = masks[variant]
+        with torch.set_grad_enabled(backward):
+            out = flex.flex_feature_attention(query, key, value, block_mask, args.head_dim**-0.5, PLAIN)
+            if backward:
+                out.backward(torch.ones_like(out))
+
+    timed = C.time_interleaved(
+        {variant: (lambda v=variant: run(v)) for variant in VARIANTS}, device, repeats=args.repeats,
+        alternate=True,
+    )  # fmt: skip
+    row = {"mask": name, "backward": backward}
+    for variant in VARIANTS:
+        computed, full = block_counts(masks[variant])
+        row[variant] = {"blocks": computed, "full_blocks": full, "median_s": timed[variant]["median_s"]}
+    return row
+
+
+def table(rows: list[dict[str, Any]]) -> str:
+    lines = []
+    for row in rows:
+        dense_s = row["dense"]["median_s"]
+        for variant in VARIANTS:
+            entry = row[variant]
+            lines.append([
+                row["mask"], variant, C.fmt(entry["blocks"], ".0f"), C.fmt(entry["full_blocks"], ".0f"),
+                C.fmt(entry["median_s"] * 1e3, ".1f"),
+                C.fmt(entry["median_s"] / dense_s, ".2f") + "x",
+            ])  # fmt: skip
+    headers = ["mask", "block mask", "blocks computed (per KV head)", "of which full", "ms", "vs dense"]
+    return C.markdown_table(headers, lines)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="auto")
+    parser.add_argument("--prompt", type=int, default=1024)
+    parser.add_argument("--new", type=int, default=8192, help="tokens per completion")
+    parser.add_argument("--group", type=int, default=2, help="completions sharing the prompt")
+    parser.add_argument("--heads", type=int, default=16)
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                        help="default bfloat16 on CUDA, float32 on the CPU")  # fmt: skip
+    patterns = ["h2o", "recent", "prefill"]
+    parser.add_argument("--masks", nargs="+", choices=patterns, default=patterns)
+    parser.add_argument("--budget", type=float, default=0.5, help="kept share of the h2o / prefill patterns")
+    parser.add_argument("--recent", type=int, default=1024, help="keys the recent window keeps")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--seed", type=int, default=0)
+    C.add_threads_flag(parser, default=None)
+    C.add_output_flags(parser)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    args = build_parser().parse_args(argv)
+    device = C.resolve_device(args.device)
+    C.apply_threads(args.threads, device)
+    dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
+    generator = torch.Generator().manual_seed(args.seed)
+    width = args.prompt + args.group * args.new
+    shapes = [(1, args.heads, width, args.head_dim)] + [(1, args.kv_heads, width, args.head_dim)] * 2
+    tensors = tuple(torch.randn(shape, generator=generator).to(device, dtype) for shape in shapes)
+    layout = (torch.tensor([args.prompt], device=device), args.prompt, args.group, args.new)
+    dense = flex.packed_block_mask(*layout, None, args.heads, None)
+    payload: dict[str, Any] = {"environment": C.environment(device), "args": vars(args), "results": []}
+    for name in args.masks:
+        payload["results"].append(measure(name, tensors, dense, args, device))
+        C.write_json(args.json, payload)
+    text = (
+        f"# FlexAttention blocks of one packed layer: {args.prompt} + {args.group} x {args.new} tokens, "
+        f"{args.heads}/{args.kv_heads} heads of {args.head_dim}, {dtype}, "
+        f"{'forward + backward' if device.type == 'cuda' else 'forward'}\n\n{C.describe(payload['environment'])}\n\n"
+        + table(payload["results"])
+    )
+    print(text)
+    C.write_markdown(args.markdown, text)
+    return payload
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
