@@ -5,16 +5,12 @@ random queries, keys and values, compiled FlexAttention (`lit_smd.kv.flex`), thr
 timed in turns in this one process:
 
 * ``dense``: the dense view (`lit_smd.kv.flex.packed_block_mask` without eviction steps), the baseline;
-* ``shadow, all partial``: the shadow view over every dense block, each partial (the ``mask_mod`` evaluated in all
-  of them): how the shadow view ran before its blocks were classified;
-* ``shadow``: the shadow view as the learner runs it, blocks classified from the eviction steps (skipped / full /
-  partial);
-* ``shadow, keys sorted``: a prototype, not in the library: each KV head's keys reordered so that keys which stop
-  being visible together sit in the same blocks (the prompt's by their earliest eviction step over the slots, each
-  slot's by its eviction step, ties by position; a slot's keys are seen by its own queries only), the KV heads
-  folded into the batch (a permutation per head), the ``mask_mod`` reading the original columns through the
-  permutation, and the blocks from ``create_block_mask`` over it (exact; its build is not timed). FlexAttention skips
-  blocks, not keys: this measures what attention over only the live keys could cost with FlexAttention's kernels.
+* ``shadow, all partial``: the shadow view, keys in their order, over every dense block, each partial (the
+  ``mask_mod`` evaluated in all of them): how the shadow view ran first;
+* ``shadow, keys in order``: the same with the blocks classified from the eviction steps (skipped / full / partial;
+  `lit_smd.kv.flex.packed_block_mask`), what sliding-window and sink layers run;
+* ``shadow``: the shadow view as the learner runs it (`lit_smd.kv.flex_sorted`): each slot's keys reordered by
+  eviction step per KV head, the heads folded into the batch, the blocks classified in that order.
 
 per synthetic eviction pattern in ``--masks``: ``h2o`` (the SnapKV-then-H2O shape of
 ``bench_long_context.synthetic_evict_steps`` at ``--budget``: scattered evictions), ``recent`` (StreamingLLM: 4 sinks,
@@ -41,8 +37,9 @@ from bench_long_context import MaskPattern, synthetic_evict_steps
 
 from lit_smd.kv import NEVER, flex
 from lit_smd.kv.features import PLAIN
+from lit_smd.kv.flex_sorted import packed_sorted_keys, sorted_attention
 
-VARIANTS = ("dense", "shadow, all partial", "shadow", "shadow, keys sorted")
+VARIANTS = ("dense", "shadow, all partial", "shadow, keys in order", "shadow")
 
 
 def eviction_steps(name: str, args: argparse.Namespace) -> torch.Tensor:
@@ -58,40 +55,8 @@ def eviction_steps(name: str, args: argparse.Namespace) -> torch.Tensor:
     return steps.permute(1, 0, 2)[None].contiguous()  # [rows=1, Hkv, S, P + N]
 
 
-def sorted_keys(steps: torch.Tensor, tensors: tuple[torch.Tensor, ...], args: argparse.Namespace, device):
-    """The ``shadow, keys sorted`` prototype: ``(query, key, value)`` with the KV heads folded into the batch and each
-    head's keys reordered, and the exact BlockMask of the reordered shadow view."""
-    prompt, new, group, kv_heads = args.prompt, args.new, args.group, args.kv_heads
-    width = prompt + group * new
-    steps = steps[0].long()  # [Hkv, S, P + N]
-    prompt_order = torch.argsort(steps[:, :, :prompt].amin(1) * width + torch.arange(prompt, device=device), dim=-1)
-    slots = [
-        prompt + slot * new + torch.argsort(steps[:, slot, prompt:] * width + torch.arange(new, device=device), dim=-1)
-        for slot in range(group)
-    ]
-    order = torch.cat([prompt_order, *slots], dim=-1)  # [Hkv, W + S*N]: column j holds original column order[h, j]
-    mask_mod, _, size = flex.packed_mask_mod(
-        torch.tensor([prompt], device=device), prompt, group, new, steps[None].to(torch.int32), None, 1
-    )
-    columns = torch.arange(size, device=device)
-    lookup = torch.where(columns < width, flex._pad_to(order, (kv_heads, size)), columns)  # the padding: itself
-
-    def sorted_mask_mod(b, h, q_idx, kv_idx):  # b: the KV head (folded); the original layout has one row
-        return mask_mod(b * 0, b, q_idx, lookup[b, kv_idx])
-
-    block_mask = flex._block_mask(sorted_mask_mod, kv_heads, size, device)
-    query, key, value = tensors
-    gather = order[:, :, None].expand(-1, -1, args.head_dim)
-    folded = (
-        query.reshape(kv_heads, args.heads // kv_heads, width, args.head_dim),
-        key[0].gather(1, gather)[:, None],
-        value[0].gather(1, gather)[:, None],
-    )
-    return folded, block_mask
-
-
 def block_counts(block_mask) -> tuple[float, float]:
-    """(blocks computed, of which full) of a BlockMask, per batch row (per KV head for the folded prototype)."""
+    """(blocks computed, of which full) of a BlockMask, per batch row (per KV head where the heads are folded)."""
     full = 0 if block_mask.full_kv_num_blocks is None else int(block_mask.full_kv_num_blocks.sum())
     rows = block_mask.kv_num_blocks.shape[0]
     return (int(block_mask.kv_num_blocks.sum()) + full) / rows, full / rows
@@ -101,19 +66,22 @@ def measure(name: str, tensors: tuple[torch.Tensor, ...], dense, args: argparse.
     """Block counts and times of the three variants for eviction pattern ``name``."""
     layout = (torch.tensor([args.prompt], device=device), args.prompt, args.group, args.new)
     steps = eviction_steps(name, args).to(device)
-    shadow = flex.packed_block_mask(*layout, steps, args.heads, None, dense=dense)
+    in_order = flex.packed_block_mask(*layout, steps, args.heads, None, dense=dense)
     mask_mod = flex.packed_mask_mod(*layout, steps, None, args.heads // args.kv_heads)[0]
     none = torch.zeros(dense.kv_indices.shape[0], *dense.kv_indices.shape[2:], dtype=torch.bool, device=device)
-    masks = {"dense": dense, "shadow, all partial": flex._within(dense, mask_mod, none, none), "shadow": shadow}
-    inputs = dict.fromkeys(masks, tensors)
-    inputs["shadow, keys sorted"], masks["shadow, keys sorted"] = sorted_keys(steps, tensors, args, device)
+    masks = {"dense": dense, "shadow, all partial": flex._within(dense, mask_mod, none, none),
+             "shadow, keys in order": in_order}  # fmt: skip
+    keys = packed_sorted_keys(*layout, steps, args.heads)
+    masks["shadow"] = keys.block_mask
     backward = device.type == "cuda"
 
     def run(variant: str) -> None:
-        query, key, value = (t.detach().requires_grad_(backward) for t in inputs[variant])
-        block_mask = masks[variant]
+        query, key, value = (t.detach().requires_grad_(backward) for t in tensors)
         with torch.set_grad_enabled(backward):
-            out = flex.flex_feature_attention(query, key, value, block_mask, args.head_dim**-0.5, PLAIN)
+            if variant == "shadow":
+                out = sorted_attention(query, key, value, keys, args.head_dim**-0.5, PLAIN)
+            else:
+                out = flex.flex_feature_attention(query, key, value, masks[variant], args.head_dim**-0.5, PLAIN)
             if backward:
                 out.backward(torch.ones_like(out))
 

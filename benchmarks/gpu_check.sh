@@ -17,8 +17,8 @@
 #   1. tests     pytest tests/kv/test_flex_cuda.py (skipped without CUDA): the FlexAttention learner forward and
 #                backward against SDPA, the shadow mask replayed against the CUDA sampler, a bf16 SMD fit    <= 150 s
 #   2. blocks    benchmarks/bench_flex_blocks.py: one packed layer (Qwen3-1.7B heads, 1024 + 2 x 8192) on FlexAttention,
-#                forward + backward, the shadow view's block masks (all partial as before, classified, and the
-#                keys-sorted prototype) against the dense view's, per eviction pattern (h2o, recent, prefill)  <= 100 s
+#                forward + backward, the shadow view's block masks (keys in order: all partial, classified; keys
+#                reordered by eviction, the learner's) against the dense view's, per pattern (h2o, recent, prefill) <= 100 s
 #   3. learner   benchmarks/gpu_learner.py: dense and SMD learner steps side by side at 8k and 7.75k
 #                completions on FlexAttention: peak memory, time, ratios to dense, compilations, and a profile of
 #                one more step per mode (top operators by device time)                                          <= 240 s

@@ -296,7 +296,7 @@ def _per_row_hidden_states(
     capture = 0 if prompt_kv is None else int(prompt_lengths.max())
     plan = AttentionPlan(
         lengths=lengths, shadow=mask, backend=backend, capture_prompt_width=capture,
-        prompt_kv={} if prompt_kv is None else prompt_kv,
+        prompt_kv={} if prompt_kv is None else prompt_kv, prompt_lengths=prompt_lengths,
     )  # fmt: skip
     positions = torch.arange(width, device=ids.device)[None, :].expand(ids.shape[0], -1)
     hidden = model.get_decoder()(

@@ -31,7 +31,8 @@ CPU, forward only: torch 2.13 has no FlexAttention backward on the CPU).
   completions: SMD's learner step 5.8 s against dense's 0.83 s). The classification pays for evictions that empty
   or spare whole 128-key blocks: StreamingLLM's recent window (1024 keys, 1k prompt + 2 x 8k completions: 75% of
   the dense view's blocks skipped, 18% full) and SnapKV at prefill only (78% full); H2O's scattered evictions leave
-  nearly every block partial.
+  nearly every block partial. Hence the shadow view of layers without a sliding window or sinks reorders its keys
+  by eviction step first (`lit_smd.kv.flex_sorted`); the blocks here serve the other layers.
 """
 
 from __future__ import annotations

@@ -63,6 +63,7 @@ from lit_smd.kv.blocked import (
 )
 from lit_smd.kv.features import PLAIN, AttentionFeatures, softmax_dtype
 from lit_smd.kv.flex import Backend, flex_feature_attention, packed_block_mask, use_flex
+from lit_smd.kv.flex_sorted import packed_sorted_keys, sorted_attention
 
 __all__ = ["PackedPlan"]
 
@@ -135,8 +136,15 @@ class PackedPlan:
             # Copies, not views: a view of the packed row would keep the whole row's keys alive with the plan.
             self.prompt_kv[layer_idx] = (key[:, :, :width].detach().clone(), value[:, :, :width].detach().clone())
         if use_flex(self.backend, query.device, dropout):
-            block_mask = self._block_mask(layer_idx, query.shape[1], sliding_window)
-            return flex_feature_attention(query, key, value, block_mask, scaling, features).transpose(1, 2).contiguous()
+            sortable = features.sinks is None and sliding_window is None
+            if self.steps is not None and sortable:  # each slot's keys reordered by eviction step
+                layout = (self.prompt_lengths, self.prompt_width, self.num_slots, self.slot_width)
+                keys = packed_sorted_keys(*layout, self.steps[layer_idx], query.shape[1])
+                out = sorted_attention(query, key, value, keys, scaling, features)
+            else:
+                block_mask = self._block_mask(layer_idx, query.shape[1], sliding_window)
+                out = flex_feature_attention(query, key, value, block_mask, scaling, features)
+            return out.transpose(1, 2).contiguous()
         prompt_out = causal_rows_attention(
             query[:, :, :width], key[:, :, :width], value[:, :, :width], self.prompt_lengths, None, scaling,
             sliding_window, features, dropout=dropout,

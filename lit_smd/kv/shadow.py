@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from lit_smd.kv.blocked import NEVER, causal_rows_attention
 from lit_smd.kv.features import PLAIN, AttentionFeatures
 from lit_smd.kv.flex import Backend, flex_feature_attention, row_block_mask, use_flex
+from lit_smd.kv.flex_sorted import row_sorted_keys, sorted_attention
 
 __all__ = ["NEVER", "AttentionPlan", "ShadowMask"]
 
@@ -180,6 +181,9 @@ class AttentionPlan:
         capture_prompt_width: With ``W > 0``, keep each layer's keys / values of columns ``[0, W)`` (detached copies)
             in ``prompt_kv``, for a later pass over the completions only (SMD's dense teacher, `lit_smd.learner`).
         prompt_kv: Layer index -> ``(keys [B, H_kv, W, D], values)``, filled by a capturing pass.
+        prompt_lengths: ``[B]`` prompt tokens per row. On FlexAttention the shadow view then reorders each row's
+            completion keys by eviction step (`lit_smd.kv.flex_sorted`), so that its blocks skip evicted keys;
+            without it the keys keep their order (blocks classified by `lit_smd.kv.flex.row_block_mask`).
     """
 
     lengths: torch.Tensor
@@ -187,6 +191,7 @@ class AttentionPlan:
     backend: Backend = "auto"
     capture_prompt_width: int = 0
     prompt_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
+    prompt_lengths: torch.Tensor | None = None
     _block_masks: dict[int | None, object] = field(default_factory=dict, repr=False)
 
     def attend(
@@ -203,6 +208,11 @@ class AttentionPlan:
             prompt = slice(0, self.capture_prompt_width)
             self.prompt_kv[layer_idx] = (key[:, :, prompt].detach().clone(), value[:, :, prompt].detach().clone())
         if use_flex(self.backend, query.device, dropout):
+            sortable = features.sinks is None and (sliding_window is None or sliding_window >= width)
+            if self.shadow is not None and self.prompt_lengths is not None and sortable:
+                steps = self.shadow.evict_steps[layer_idx]  # [B, Hrec, >= T]
+                keys = row_sorted_keys(self.lengths, self.prompt_lengths, steps, query.shape[1], width)
+                return sorted_attention(query, key, value, keys, scaling, features).transpose(1, 2).contiguous()
             block_mask = self.block_mask(layer_idx, query.shape[1], width, sliding_window)
             out = flex_feature_attention(query, key, value, block_mask, scaling, features)  # [B, Hq, T, D]
             return out.transpose(1, 2).contiguous()

@@ -29,16 +29,19 @@ def test_buckets_bound_the_padding_and_the_number_of_shapes():
     assert len({bucket(size) for size in range(1024, 32_769)}) == 21  # four per doubling, 1k-32k
 
 
-def _plan(rows: int, width: int, kv_heads: int, *, shadow: bool, seed: int = 0) -> AttentionPlan:
+def _plan(rows: int, width: int, kv_heads: int, *, shadow: bool, seed: int = 0, sort: bool = False) -> AttentionPlan:
+    """A per-row flex plan; with ``sort`` it knows the prompt lengths, so its shadow view reorders the completion
+    keys (`lit_smd.kv.flex_sorted`), as the learner's does."""
     g = torch.Generator().manual_seed(seed)
     lengths = torch.randint(width // 2, width + 1, (rows,), generator=g)
     lengths[0] = width
     steps = None
     if shadow:  # eviction steps anywhere from the key itself to past the end (never evicted)
         keys = torch.arange(width)
-        steps = keys + torch.randint(0, width, (1, rows, kv_heads, width), generator=g)
+        steps = keys + torch.randint(1, width, (1, rows, kv_heads, width), generator=g)
         steps = ShadowMask(steps.to(torch.int32))
-    return AttentionPlan(lengths=lengths, shadow=steps, backend="flex")
+    prompt_lengths = lengths // 3 if sort else None
+    return AttentionPlan(lengths=lengths, shadow=steps, backend="flex", prompt_lengths=prompt_lengths)
 
 
 def _naive_visible(plan: AttentionPlan, layer: int, width: int, window: int | None) -> torch.Tensor:
@@ -283,14 +286,15 @@ def test_flex_dense_teacher_over_the_kept_prompt_keys(peaky_model_factory, layou
 
 
 @pytest.mark.slow
-def test_compilations_stop_growing_with_the_number_of_batches(monkeypatch):
+@pytest.mark.parametrize("sort", [False, True], ids=["keys_in_order", "keys_sorted"])
+def test_compilations_stop_growing_with_the_number_of_batches(monkeypatch, sort):
     """Batches of varying width and size compile once per bucket (block mask + attention), however many batches
     come; past `RECOMPILE_LIMIT` a call raises instead of running eager FlexAttention."""
     heads, kv_heads, dim = 4, 2, 8
     g = torch.Generator().manual_seed(0)
 
     def run(rows: int, width: int) -> None:
-        plan = _plan(rows, width, kv_heads, shadow=True, seed=width)
+        plan = _plan(rows, width, kv_heads, shadow=True, seed=width, sort=sort)
         query = torch.randn(rows, heads, width, dim, generator=g)
         key, value = (torch.randn(rows, kv_heads, width, dim, generator=g) for _ in range(2))
         with torch.no_grad():
@@ -320,21 +324,22 @@ def test_compilations_stop_growing_with_the_number_of_batches(monkeypatch):
 
 @pytest.mark.slow
 def test_compiled_flex_skips_the_blocks_a_recent_window_evicts(peaky_model_factory, monkeypatch):
-    """StreamingLLM's window (4 sinks, 24 keys) after a ~300-token prompt: the shadow BlockMasks skip key blocks the
-    window left behind and run unmasked blocks the evictions do not touch, and compiled FlexAttention still equals
+    """StreamingLLM's window (4 sinks, 24 keys) after a ~300-token prompt: every shadow BlockMask (keys reordered by
+    eviction step, `lit_smd.kv.flex_sorted`) skips blocks of evicted keys, and compiled FlexAttention still equals
     SDPA per row and shared prefix (float32, forward) and replays the sampler."""
+    from lit_smd.kv import flex_sorted
+
     model = peaky_model_factory("qwen3", dtype=torch.float32)
     ids, mask = _prompts(model.config.vocab_size, lengths=(300, 287))
     rollout = generate(model, ids, mask, compressor=make_compressor("recent"), max_new_tokens=100, num_generations=2,
                        generator=torch.Generator().manual_seed(0))  # fmt: skip
-    within, kinds = flex._within, []
+    build, kinds = flex_sorted._block_mask, []
 
-    def counting_within(dense, mask_mod, evicted, whole):
-        block_mask = within(dense, mask_mod, evicted, whole)
-        kinds.append((bool(evicted.any()), int(block_mask.full_kv_num_blocks.sum()) > 0))
-        return block_mask
+    def counting_block_mask(skipped, full, mask_mod, size):  # [F, QB, KB]: below the diagonal of a real row
+        kinds.append((bool((skipped[0] & torch.ones_like(skipped[0]).tril(-1)).any()), bool(full.any())))
+        return build(skipped, full, mask_mod, size)
 
-    monkeypatch.setattr(flex, "_within", counting_within)
+    monkeypatch.setattr(flex_sorted, "_block_mask", counting_block_mask)
     completion = rollout.completion_mask[..., None]
     with torch.no_grad():
         for layout in ("per_row", "shared_prefix"):
@@ -343,7 +348,7 @@ def test_compiled_flex_skips_the_blocks_a_recent_window_evicts(peaky_model_facto
             assert ((flex_out - sdpa_out) * completion).abs().max() <= 1e-5, layout
         flex_logprobs = score(model, rollout, backend="flex")
     assert (flex_logprobs - rollout.logprobs)[rollout.completion_mask].abs().max() <= 1e-4
-    assert all(evicted and full for evicted, full in kinds) and len(kinds) == 3 * model.config.num_hidden_layers
+    assert all(skipped for skipped, _ in kinds) and len(kinds) == 3 * model.config.num_hidden_layers
 
 
 @pytest.mark.slow
