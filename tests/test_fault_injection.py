@@ -398,9 +398,12 @@ def test_cli_fit_killed_and_resumed(tmp_path, delay):
     checkpoints = sorted((version / "checkpoints").glob("*.ckpt"))
     assert checkpoints and all(is_complete_checkpoint(p) for p in checkpoints)
     assert (version / "config.yaml").stat().st_size > 0
-    step = torch.load(version / "checkpoints" / "last.ckpt", weights_only=False)["global_step"]
+    # `--ckpt_path last`: the newest checkpoint, which continues the folder. (last.ckpt is not always the newest: a
+    # kill between a step checkpoint's save and last.ckpt's leaves the step one newer, and resuming from an older
+    # checkpoint starts a new folder by design, `lit_smd.run_folder.continue_run_folder`.)
+    step = max(torch.load(path, weights_only=False)["global_step"] for path in checkpoints)
     resumed = subprocess.run(
-        [*args, "--trainer.max_steps", str(step + 2), "--ckpt_path", str(version / "checkpoints" / "last.ckpt")],
+        [*args, "--trainer.max_steps", str(step + 2), "--ckpt_path", "last"],
         env=env, capture_output=True, text=True, timeout=600,
     )  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-3000:]
