@@ -153,7 +153,7 @@ def row_sorted_keys(lengths: Tensor, prompt_lengths: Tensor, steps: Tensor, num_
     outside = (q_first >= width) | (torch.arange(rows * kv_heads, device=device) // kv_heads >= batch)[:, None, None]
     skipped = (limit_high <= q_first) | (key_first > q_last) | outside
     full = (key_last <= q_first) & (limit_low > q_last) & (q_last < width) & ~outside
-    folded = _folded_mask_mod(mask_mod, position, kv_heads, num_heads // kv_heads)
+    folded = _folded_mask_mod(mask_mod, position.to(torch.int32), kv_heads, num_heads // kv_heads)
     return SortedKeys(order, _block_mask(skipped, full, folded, size))
 
 
@@ -235,5 +235,5 @@ def packed_sorted_keys(
     prompt_full = prompt_full | (q_slot & one & (key_last < lengths[..., None]) & (earliest > pos_high))
     slot_full = q_slot & one & (t_high <= tq_low) & (limit_low > pos_high)  # another slot's: skipped above
     full = ((prompt_keys & prompt_full) | (one_slot_keys & slot_full)) & (stop == last)[None, :, None] & ~skipped
-    folded = _folded_mask_mod(mask_mod, position, kv_heads, group)
+    folded = _folded_mask_mod(mask_mod, position.to(torch.int32), kv_heads, group)
     return SortedKeys(order, _block_mask(skipped, full, folded, size))
