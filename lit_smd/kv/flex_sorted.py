@@ -161,7 +161,8 @@ def packed_sorted_keys(
     prompt_lengths: Tensor, prompt_width: int, num_slots: int, slot_width: int, steps: Tensor, num_heads: int
 ) -> SortedKeys:
     """One layer of a packed shadow pass (`lit_smd.kv.packed.PackedPlan`): each slot's own keys reordered within the
-    slot's columns by eviction step per KV head (the prompt's keep their order), and the BlockMask of the folded batch.
+    slot's columns by eviction step per KV head (the prompt's in two groups, each in position order: see the module
+    docstring), and the BlockMask of the folded batch.
 
     Args: as `lit_smd.kv.flex.packed_mask_mod` (no sliding window), with ``num_heads`` query heads instead of the
     group.
@@ -188,7 +189,7 @@ def packed_sorted_keys(
     real_row = (torch.arange(folded_rows, device=device) // kv_heads < count)[:, None, None]  # [F, 1, 1]
     first, last, blocks = _query_blocks(size, device)
     stop = last.clamp(max=total - 1)
-    # Key blocks: prompt columns (their order kept), one slot's keys, or other (mixed, the bucket's padding).
+    # Key blocks: prompt columns, one slot's keys, or other (mixed, the bucket's padding).
     slot_of = torch.where(position < width, -1, torch.where(position < total, (position - width) // new, slots))
     slot_low, slot_high = (x[:, None] for x in _extremes(slot_of, blocks))  # [F, 1, KB]
     key_first, key_last = (x[:, None] for x in _extremes(position, blocks))
