@@ -1,6 +1,7 @@
 """One layer of the packed learner on FlexAttention: the shadow view's blocks against the dense view's, per eviction.
 
-A shared-prefix packed row (one ``--prompt``-token prompt, ``--group`` completions of ``--new`` tokens each) with
+A shared-prefix packed row (one ``--prompt``-token prompt, ``--group`` completions of ``--new`` tokens each; with
+``--layout per_row`` one row per completion, as ``score()`` and the per-row learner run it) with
 random queries, keys and values, compiled FlexAttention (`lit_smd.kv.flex`), three block masks over the same tensors,
 timed in turns in this one process:
 
@@ -37,7 +38,7 @@ from bench_long_context import MaskPattern, synthetic_evict_steps
 
 from lit_smd.kv import NEVER, flex
 from lit_smd.kv.features import PLAIN
-from lit_smd.kv.flex_sorted import packed_sorted_keys, sorted_attention
+from lit_smd.kv.flex_sorted import packed_sorted_keys, row_sorted_keys, sorted_attention
 
 VARIANTS = ("dense", "shadow, all partial", "shadow, keys in order", "shadow")
 
@@ -62,17 +63,31 @@ def block_counts(block_mask) -> tuple[float, float]:
     return (int(block_mask.kv_num_blocks.sum()) + full) / rows, full / rows
 
 
-def measure(name: str, tensors: tuple[torch.Tensor, ...], dense, args: argparse.Namespace, device) -> dict[str, Any]:
-    """Block counts and times of the three variants for eviction pattern ``name``."""
-    layout = (torch.tensor([args.prompt], device=device), args.prompt, args.group, args.new)
-    steps = eviction_steps(name, args).to(device)
-    in_order = flex.packed_block_mask(*layout, steps, args.heads, None, dense=dense)
-    mask_mod = flex.packed_mask_mod(*layout, steps, None, args.heads // args.kv_heads)[0]
+def layer_masks(name: str, args: argparse.Namespace, device: torch.device):
+    """``(dense BlockMask, shadow mask_mod, shadow BlockMask with keys in order, SortedKeys)`` of pattern ``name`` in
+    ``args.layout``."""
+    steps = eviction_steps(name, args).to(device)  # [1, Hkv, S, P + N]
+    if args.layout == "shared_prefix":
+        layout = (torch.tensor([args.prompt], device=device), args.prompt, args.group, args.new)
+        dense = flex.packed_block_mask(*layout, None, args.heads, None)
+        in_order = flex.packed_block_mask(*layout, steps, args.heads, None, dense=dense)
+        mask_mod = flex.packed_mask_mod(*layout, steps, None, args.heads // args.kv_heads)[0]
+        return dense, mask_mod, in_order, packed_sorted_keys(*layout, steps, args.heads)
+    steps, width = steps[0].transpose(0, 1).contiguous(), args.prompt + args.new  # [S, Hkv, P + N]: a row per sample
+    lengths = torch.full((args.group,), width, device=device)
+    dense = flex.row_block_mask(lengths, None, args.heads, width, None)
+    in_order = flex.row_block_mask(lengths, steps, args.heads, width, None, dense=dense)
+    mask_mod = flex.row_mask_mod(lengths, steps, width, None, args.heads // args.kv_heads)[0]
+    keys = row_sorted_keys(lengths, torch.full_like(lengths, args.prompt), steps, args.heads, width)
+    return dense, mask_mod, in_order, keys
+
+
+def measure(name: str, tensors: tuple[torch.Tensor, ...], args: argparse.Namespace, device) -> dict[str, Any]:
+    """Block counts and times of the four variants for eviction pattern ``name``."""
+    dense, mask_mod, in_order, keys = layer_masks(name, args, device)
     none = torch.zeros(dense.kv_indices.shape[0], *dense.kv_indices.shape[2:], dtype=torch.bool, device=device)
     masks = {"dense": dense, "shadow, all partial": flex._within(dense, mask_mod, none, none),
-             "shadow, keys in order": in_order}  # fmt: skip
-    keys = packed_sorted_keys(*layout, steps, args.heads)
-    masks["shadow"] = keys.block_mask
+             "shadow, keys in order": in_order, "shadow": keys.block_mask}  # fmt: skip
     backward = device.type == "cuda"
 
     def run(variant: str) -> None:
@@ -117,6 +132,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--prompt", type=int, default=1024)
     parser.add_argument("--new", type=int, default=8192, help="tokens per completion")
     parser.add_argument("--group", type=int, default=2, help="completions sharing the prompt")
+    parser.add_argument("--layout", choices=["shared_prefix", "per_row"], default="shared_prefix",
+                        help="one packed row (the learner's default), or one row per completion")  # fmt: skip
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--head-dim", type=int, default=128)
@@ -139,17 +156,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     C.apply_threads(args.threads, device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
     generator = torch.Generator().manual_seed(args.seed)
-    width = args.prompt + args.group * args.new
-    shapes = [(1, args.heads, width, args.head_dim)] + [(1, args.kv_heads, width, args.head_dim)] * 2
+    packed = args.layout == "shared_prefix"
+    rows, width = (1, args.prompt + args.group * args.new) if packed else (args.group, args.prompt + args.new)
+    shapes = [(rows, args.heads, width, args.head_dim)] + [(rows, args.kv_heads, width, args.head_dim)] * 2
     tensors = tuple(torch.randn(shape, generator=generator).to(device, dtype) for shape in shapes)
-    layout = (torch.tensor([args.prompt], device=device), args.prompt, args.group, args.new)
-    dense = flex.packed_block_mask(*layout, None, args.heads, None)
     payload: dict[str, Any] = {"environment": C.environment(device), "args": vars(args), "results": []}
     for name in args.masks:
-        payload["results"].append(measure(name, tensors, dense, args, device))
+        payload["results"].append(measure(name, tensors, args, device))
         C.write_json(args.json, payload)
     text = (
-        f"# FlexAttention blocks of one packed layer: {args.prompt} + {args.group} x {args.new} tokens, "
+        f"# FlexAttention blocks of one {'packed layer' if packed else 'per-row layer'}: {args.prompt} + "
+        f"{args.group} x {args.new} tokens, "
         f"{args.heads}/{args.kv_heads} heads of {args.head_dim}, {dtype}, "
         f"{'forward + backward' if device.type == 'cuda' else 'forward'}\n\n{C.describe(payload['environment'])}\n\n"
         + table(payload["results"])

@@ -228,13 +228,14 @@ def test_flex_blocks_benchmark(run_all, tmp_path):
     """`bench_flex_blocks.py` at a small size (compiles FlexAttention on the CPU: about a minute): the shadow view
     computes no more blocks than the dense view, fewer under the recent window, and every variant is timed."""
     bench = importlib.import_module("bench_flex_blocks")  # on the path while the run_all fixture holds it
-    out = tmp_path / "blocks.json"
-    bench.main(["--device", "cpu", "--prompt", "256", "--new", "384", "--heads", "4", "--kv-heads", "2",
-                "--head-dim", "16", "--recent", "128", "--repeats", "1", "--json", str(out)])  # fmt: skip
-    rows = {row["mask"]: row for row in json.loads(out.read_text())["results"]}
-    assert set(rows) == {"h2o", "recent", "prefill"}
-    for row in rows.values():
-        assert row["shadow"]["blocks"] <= row["dense"]["blocks"] == row["shadow, all partial"]["blocks"]
-        assert all(row[variant]["median_s"] > 0 for variant in bench.VARIANTS)
-    assert rows["recent"]["shadow"]["blocks"] < rows["recent"]["dense"]["blocks"]
-    assert rows["prefill"]["shadow"]["full_blocks"] > 0 == rows["h2o"]["shadow, all partial"]["full_blocks"]
+    for layout in ("shared_prefix", "per_row"):
+        out = tmp_path / f"{layout}.json"
+        bench.main(["--device", "cpu", "--layout", layout, "--prompt", "256", "--new", "384", "--heads", "4",
+                    "--kv-heads", "2", "--head-dim", "16", "--recent", "128", "--repeats", "1", "--json", str(out)])
+        rows = {row["mask"]: row for row in json.loads(out.read_text())["results"]}
+        assert set(rows) == {"h2o", "recent", "prefill"}
+        for row in rows.values():
+            assert row["shadow"]["blocks"] <= row["dense"]["blocks"] == row["shadow, all partial"]["blocks"]
+            assert all(row[variant]["median_s"] > 0 for variant in bench.VARIANTS)
+        assert rows["recent"]["shadow"]["blocks"] < rows["recent"]["dense"]["blocks"]
+        assert rows["prefill"]["shadow"]["full_blocks"] > 0 == rows["h2o"]["shadow, all partial"]["full_blocks"]

@@ -4,17 +4,18 @@ FlexAttention skips 128 x 128 blocks, not keys. Under H2O-style eviction (scatte
 accumulated attention is low) nearly every 128-key block keeps a live key, so the shadow view in the keys' own order
 computes every block the dense view does, each under its ``mask_mod``: about twice dense's attention, where a kernel
 reading only the live keys would cost less than dense. Attention does not depend on the order of the keys, so here
-each KV head's completion keys are reordered by eviction step (ties by position) before the kernel: keys that stop
+each KV head's keys are reordered by eviction step (ties by position) before the kernel: keys that stop
 being visible together share blocks, a query block skips the blocks of keys evicted before it and of keys after it,
 and the ``mask_mod`` reads each key's original column through the permutation (`lit_smd.kv.flex`'s ``mask_mod``,
 unchanged). The KV heads fold into the batch (``[B * H_kv, G, T, D]`` queries, one key head), since each head has
 its own order; a layer gathers its keys and values once (the gather's backward scatters the gradients back).
 
-What is reordered: per row, the completion keys (from the row's prompt length on); in a packed shared-prefix row,
-each slot's own keys within the slot's columns. Prompt keys only move apart in two groups, each in position order:
-those no completion query sees (evicted when the prompt ended: SnapKV's prefill drops; in every slot of a packed row)
-first, then the rest. Prompt queries attend to the prompt causally (the dense view), which a reorder by eviction step
-would turn from full blocks into partial ones; two groups in position order keep it about causal.
+What is reordered: per row, the prompt's keys and, after them, the completion's keys; in a packed shared-prefix row,
+the prompt's keys (by their last eviction step over the slots) and each slot's own keys within the slot's columns.
+Each group is sorted by eviction step, then position. Prompt queries attend to the prompt causally (the dense view):
+prompt keys dropped at prefill (SnapKV: one step, the prompt's end), kept ones (never evicted) and keys of a recent
+window (step = position + window) keep their position order within their group, so the prompt's own attention stays
+about causal; only keys evicted while decoding (H2O) mix positions.
 
 The blocks are classified from each key block's extremes (original position, eviction step) per folded row, never
 by evaluating the ``mask_mod``: skipped when every key was evicted before the query block's first query, comes after
@@ -117,8 +118,9 @@ def _positions(order: Tensor, rows: int, size: int) -> Tensor:
 
 
 def row_sorted_keys(lengths: Tensor, prompt_lengths: Tensor, steps: Tensor, num_heads: int, width: int) -> SortedKeys:
-    """One layer of a per-row shadow pass (`lit_smd.kv.shadow.AttentionPlan`): each row's completion keys (columns
-    ``prompt_lengths[b]`` on) reordered by eviction step per KV head, and the BlockMask of the folded batch.
+    """One layer of a per-row shadow pass (`lit_smd.kv.shadow.AttentionPlan`): each row's prompt keys, then its
+    completion keys (columns ``prompt_lengths[b]`` on), reordered by eviction step per KV head, and the BlockMask of
+    the folded batch.
 
     Args:
         lengths: ``[B]`` real tokens per row.
@@ -131,14 +133,12 @@ def row_sorted_keys(lengths: Tensor, prompt_lengths: Tensor, steps: Tensor, num_
     device = steps.device
     columns = torch.arange(width, device=device)
     evict = steps[..., :width].long().clamp(max=_NEVER)  # [B, Hkv, T]
-    prompt = prompt_lengths.to(device)[:, None, None]
-    in_prompt, padding = columns < prompt, columns >= lengths.to(device)[:, None, None]
-    # The prompt's keys that no completion query sees first, then the others, each in position order; then the
-    # completion's by eviction step, then position; the padding last.
-    prompt_key = torch.where(evict <= prompt, columns, width + columns)
-    completion_key = 2 * width + evict * (width + 1) + columns
-    padding_key = (_NEVER + 3) * (width + 1) + columns
-    order = torch.where(in_prompt, prompt_key, torch.where(padding, padding_key, completion_key)).argsort(dim=-1)
+    in_prompt = columns < prompt_lengths.to(device)[:, None, None]
+    padding = columns >= lengths.to(device)[:, None, None]
+    # The prompt's keys, then the completion's, each by eviction step, then position; the padding last.
+    by_eviction = evict * (width + 1) + columns
+    order = torch.where(in_prompt, by_eviction, (_NEVER + 1) * (width + 1) + by_eviction)
+    order = torch.where(padding, 2 * (_NEVER + 1) * (width + 1) + columns, order).argsort(dim=-1)
     mask_mod, rows, size = row_mask_mod(lengths, steps, width, None, num_heads // kv_heads)
     position = _positions(order, rows, size)  # [F, size], F = rows * Hkv
     # The first query that no longer sees each reordered key: its eviction step, at least its own position + 1 (every
@@ -161,8 +161,8 @@ def packed_sorted_keys(
     prompt_lengths: Tensor, prompt_width: int, num_slots: int, slot_width: int, steps: Tensor, num_heads: int
 ) -> SortedKeys:
     """One layer of a packed shadow pass (`lit_smd.kv.packed.PackedPlan`): each slot's own keys reordered within the
-    slot's columns by eviction step per KV head (the prompt's in two groups, each in position order: see the module
-    docstring), and the BlockMask of the folded batch.
+    slot's columns by eviction step per KV head (the prompt's by their last step over the slots), and the BlockMask of
+    the folded batch.
 
     Args: as `lit_smd.kv.flex.packed_mask_mod` (no sliding window), with ``num_heads`` query heads instead of the
     group.
@@ -175,11 +175,12 @@ def packed_sorted_keys(
     t = torch.arange(new, device=device)
     within = (own * (new + 1) + t).argsort(dim=-1)  # [R, Hkv, S, N]
     slot_columns = width + torch.arange(slots, device=device)[:, None] * new + within
-    # The prompt's keys that no slot query sees (evicted when the prompt ended, in every slot) first, then the others
-    # (the padding columns among them, last), each in position order: prompt queries still attend causally.
+    # The prompt's keys by their last eviction step over the slots, then position; its padding columns last.
     prompt_columns = torch.arange(width, device=device)
-    unseen = steps[..., :width].amax(2) <= prompt_lengths.to(device)[:, None, None]  # [R, Hkv, W]
-    prompt_order = torch.where(unseen, prompt_columns, width + prompt_columns).argsort(dim=-1)  # [R, Hkv, W]
+    last_evicted = steps[..., :width].long().clamp(max=_NEVER).amax(2)  # [R, Hkv, W]
+    padding = prompt_columns >= prompt_lengths.to(device)[:, None, None]
+    prompt_key = torch.where(padding, _NEVER + 1, last_evicted) * (width + 1) + prompt_columns
+    prompt_order = prompt_key.argsort(dim=-1)  # [R, Hkv, W]
     order = torch.cat([prompt_order, slot_columns.flatten(2)], dim=-1)  # [R, Hkv, W + S*N]
     group = num_heads // kv_heads
     mask_mod, rows, size = packed_mask_mod(prompt_lengths, width, slots, new, steps, None, group)
@@ -214,6 +215,8 @@ def packed_sorted_keys(
     one, first_slot, last_slot = one[None, :, None], first_slot[None, :, None], last_slot[None, :, None]
     # Prompt key blocks for slot queries: the prompt keys' steps of the query block's slots.
     prompt_steps = steps[..., :width].long().gather(-1, prompt_order[:, :, None].expand(-1, -1, slots, -1))
+    real_key = prompt_order < prompt_lengths.to(device)[:, None, None]  # [R, Hkv, W]: padding columns see no query
+    prompt_steps = prompt_steps.masked_fill(~real_key[:, :, None], 0)  # (a block of them cannot be full anyway)
     prompt_steps = _pad_to(prompt_steps, (rows, kv_heads, slots, width)).flatten(0, 1)  # [F, S, W], reordered
     prompt_blocks = -(-width // _BLOCK)
     low, high = _extremes(prompt_steps.flatten(0, 1), prompt_blocks)  # [F * S, KBp]
