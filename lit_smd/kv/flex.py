@@ -45,6 +45,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from lit_smd.kv.blocked import NEVER
 from lit_smd.kv.features import AttentionFeatures
 
 __all__ = [
@@ -305,8 +306,15 @@ def _within(dense: BlockMask, mask_mod: MaskMod, evicted: Tensor, whole: Tensor)
     seen = _blocks_of(dense.kv_num_blocks, dense.kv_indices, dense.kv_indices) | full
     full = full & whole[:, None]
     partial = seen & ~evicted[:, None] & ~full
+    return _from_blocks(partial, full, mask_mod, dense.BLOCK_SIZE, dense.seq_lengths)
+
+
+def _from_blocks(
+    partial: Tensor, full: Tensor, mask_mod: MaskMod, block_size: tuple[int, int], seq_lengths: tuple[int, int]
+) -> BlockMask:
+    """The BlockMask of ``[rows, H, QB, KB]`` bool partial and full blocks (the rest skipped) with ``mask_mod``."""
     return BlockMask.from_kv_blocks(
-        *_listed(partial), *_listed(full), BLOCK_SIZE=dense.BLOCK_SIZE, mask_mod=mask_mod, seq_lengths=dense.seq_lengths
+        *_listed(partial), *_listed(full), BLOCK_SIZE=block_size, mask_mod=mask_mod, seq_lengths=seq_lengths
     )
 
 
@@ -323,13 +331,38 @@ def _query_blocks(dense: BlockMask) -> tuple[Tensor, Tensor, Tensor]:
     return first, last, diagonal
 
 
-def _key_block_extremes(steps: Tensor, block: int, num_blocks: int, low_fill: int) -> tuple[Tensor, Tensor]:
-    """``steps [..., C]`` -> the latest and earliest eviction step per key block ``[..., num_blocks]``; columns past
-    ``C`` count as 0 for the latest and as ``low_fill`` for the earliest."""
-    span = num_blocks * block - steps.shape[-1]
-    latest = F.pad(steps, (0, span), value=0).unflatten(-1, (num_blocks, block)).amax(-1)
-    earliest = F.pad(steps, (0, span), value=low_fill).unflatten(-1, (num_blocks, block)).amin(-1)
-    return latest, earliest
+def _block_extremes(values: Tensor, num_blocks: int, block: int) -> tuple[Tensor, Tensor]:
+    """``values [..., C]`` integer, ``C <= num_blocks * block`` -> the min and max of each block of ``block`` columns
+    ``[..., num_blocks]``; the columns past ``C`` count for neither."""
+    span = num_blocks * block - values.shape[-1]
+    info = torch.iinfo(values.dtype)
+    low = F.pad(values, (0, span), value=info.max).unflatten(-1, (num_blocks, block)).amin(-1)
+    high = F.pad(values, (0, span), value=info.min).unflatten(-1, (num_blocks, block)).amax(-1)
+    return low, high
+
+
+def _slot_query_blocks(
+    first: Tensor, last: Tensor, prompt_width: int, num_slots: int, slot_width: int
+) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """Per query block of a packed row, from its first and last columns ``[QB]``: its first and last slot, and within
+    one slot its first and last offset ``t`` (a block over several slots: 0 and ``N - 1``); meaningful for blocks of
+    slot queries (columns ``>= W``)."""
+    stop = last.clamp(max=prompt_width + num_slots * slot_width - 1)
+    first_slot = ((first - prompt_width) // slot_width).clamp(0, num_slots - 1)
+    last_slot = ((stop - prompt_width) // slot_width).clamp(0, num_slots - 1)
+    one_slot = first_slot == last_slot
+    t_low = torch.where(one_slot, (first - prompt_width) % slot_width, 0)
+    t_high = torch.where(one_slot, (stop - prompt_width) % slot_width, slot_width - 1)
+    return first_slot, last_slot, t_low, t_high
+
+
+def _over_slots(table: Tensor, first_slot: Tensor, last_slot: Tensor, largest: bool) -> Tensor:
+    """``table [rows, S, KB]`` -> ``[rows, QB, KB]``: its max (``largest``) or min over each query block's slots
+    (``first_slot`` / ``last_slot [QB]``: the two ends, or every slot for a block over more than two)."""
+    pick = torch.maximum if largest else torch.minimum
+    everywhere = table.amax(1, keepdim=True) if largest else table.amin(1, keepdim=True)
+    wide = (last_slot - first_slot > 1)[None, :, None]
+    return torch.where(wide, everywhere, pick(table[:, first_slot], table[:, last_slot]))
 
 
 def _row_eviction_blocks(dense: BlockMask, steps: Tensor, width: int) -> tuple[Tensor, Tensor]:
@@ -339,7 +372,7 @@ def _row_eviction_blocks(dense: BlockMask, steps: Tensor, width: int) -> tuple[T
     rows = dense.kv_indices.shape[0]
     first, last, diagonal = _query_blocks(dense)
     steps = _pad_to(steps[..., :width], (rows, steps.shape[1], width))  # [rows, Hkv, T]
-    latest, earliest = _key_block_extremes(steps, dense.BLOCK_SIZE[1], dense.kv_indices.shape[-1], 0)
+    earliest, latest = _block_extremes(steps, dense.kv_indices.shape[-1], dense.BLOCK_SIZE[1])
     latest, earliest = latest.amax(1), earliest.amin(1)  # [rows, KB]: every head
     evicted = (latest[:, None] <= first[None, :, None]) & ~diagonal  # [rows, QB, KB]
     whole = earliest[:, None] > last[None, :, None]
@@ -356,33 +389,21 @@ def _packed_eviction_blocks(
     rows, num_kv = dense.kv_indices.shape[0], dense.kv_indices.shape[-1]
     kv_size = dense.BLOCK_SIZE[1]
     first, last, diagonal = _query_blocks(dense)
-    width, new, total = prompt_width, slot_width, prompt_width + num_slots * slot_width
-    never = torch.iinfo(torch.int32).max
+    width, new = prompt_width, slot_width
     steps = _pad_to(steps, (rows, *steps.shape[1:]))  # [rows, Hkv, S, W + N]
     # The prompt keys' steps per slot, and the slot keys' in packed columns (prompt columns neutral).
-    prompt_latest, prompt_earliest = _key_block_extremes(steps[..., :width], kv_size, -(-width // kv_size), never)
+    prompt_earliest, prompt_latest = _block_extremes(steps[..., :width], -(-width // kv_size), kv_size)
     prompt_latest = F.pad(prompt_latest.amax(1), (0, num_kv - prompt_latest.shape[-1]))  # [rows, S, KB]
-    prompt_earliest = F.pad(prompt_earliest.amin(1), (0, num_kv - prompt_earliest.shape[-1]), value=never)
+    prompt_earliest = F.pad(prompt_earliest.amin(1), (0, num_kv - prompt_earliest.shape[-1]), value=NEVER)
     own = steps[..., width:].flatten(2)  # [rows, Hkv, S*N]: slot s's key t at packed column W + s*N + t
-    own_latest = _key_block_extremes(F.pad(own, (width, 0)), kv_size, num_kv, 0)[0].amax(1)  # [rows, KB]
-    own_earliest = _key_block_extremes(F.pad(own, (width, 0), value=never), kv_size, num_kv, 0)[1].amin(1)
+    own_latest = _block_extremes(F.pad(own, (width, 0)), num_kv, kv_size)[1].amax(1)  # [rows, KB]
+    own_earliest = _block_extremes(F.pad(own, (width, 0), value=NEVER), num_kv, kv_size)[0].amin(1)
     # The query blocks' slots and logical positions.
-    stop = last.clamp(max=total - 1)
-    first_slot, last_slot = ((first - width) // new).clamp(0, num_slots - 1), ((stop - width) // new).clamp(min=0)
-    one_slot = first_slot == last_slot  # [QB]
+    first_slot, last_slot, t_low, t_high = _slot_query_blocks(first, last, width, num_slots, new)
     lengths = _pad_to(prompt_lengths, (rows,))[:, None]  # [rows, 1]
-    low = lengths + torch.where(one_slot, (first - width) % new, 0)  # [rows, QB]
-    high = lengths + torch.where(one_slot, (stop - width) % new, new - 1)
-    last_slot = last_slot.clamp(max=num_slots - 1)
-
-    def over_slots(table: Tensor, largest: bool) -> Tensor:  # [rows, S, KB] -> [rows, QB, KB]
-        pick = torch.maximum if largest else torch.minimum
-        everywhere = table.amax(1, keepdim=True) if largest else table.amin(1, keepdim=True)
-        wide = (last_slot - first_slot > 1)[None, :, None]
-        return torch.where(wide, everywhere, pick(table[:, first_slot], table[:, last_slot]))
-
-    latest = torch.maximum(over_slots(prompt_latest, True), own_latest[:, None])  # [rows, QB, KB]
-    earliest = torch.minimum(over_slots(prompt_earliest, False), own_earliest[:, None])
+    low, high = lengths + t_low, lengths + t_high  # [rows, QB]
+    latest = torch.maximum(_over_slots(prompt_latest, first_slot, last_slot, True), own_latest[:, None])
+    earliest = torch.minimum(_over_slots(prompt_earliest, first_slot, last_slot, False), own_earliest[:, None])
     slot_block = (first >= width)[None, :, None]  # [1, QB, 1]
     prompt_block = (last < width)[None, :, None]
     evicted = slot_block & (latest <= low[..., None]) & ~diagonal

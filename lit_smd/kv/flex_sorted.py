@@ -35,13 +35,22 @@ import torch
 from torch import Tensor
 from torch.nn.attention.flex_attention import BlockMask
 
+from lit_smd.kv.blocked import NEVER
 from lit_smd.kv.features import AttentionFeatures
-from lit_smd.kv.flex import _listed, _pad_to, flex_feature_attention, packed_mask_mod, row_mask_mod
+from lit_smd.kv.flex import (
+    _block_extremes,
+    _from_blocks,
+    _over_slots,
+    _pad_to,
+    _slot_query_blocks,
+    flex_feature_attention,
+    packed_mask_mod,
+    row_mask_mod,
+)
 
 __all__ = ["SortedKeys", "packed_sorted_keys", "row_sorted_keys", "sorted_attention"]
 
 _BLOCK = 128
-_NEVER = torch.iinfo(torch.int32).max
 
 
 class SortedKeys(NamedTuple):
@@ -85,21 +94,13 @@ def _folded_mask_mod(mask_mod, lookup: Tensor, kv_heads: int, group: int):
 
 
 def _extremes(values: Tensor, blocks: int) -> tuple[Tensor, Tensor]:
-    """``values [F, C]`` (C <= blocks * 128) -> the min and max of each block of `_BLOCK` columns ``[F, blocks]``; the
-    columns past ``C`` count for neither."""
-    span = blocks * _BLOCK - values.shape[-1]
-    low = torch.nn.functional.pad(values, (0, span), value=torch.iinfo(values.dtype).max).unflatten(-1, (blocks, -1))
-    high = torch.nn.functional.pad(values, (0, span), value=torch.iinfo(values.dtype).min).unflatten(-1, (blocks, -1))
-    return low.amin(-1), high.amax(-1)
+    """``values [F, C]`` -> the min and max of each block of `_BLOCK` columns ``[F, blocks]``."""
+    return _block_extremes(values, blocks, _BLOCK)
 
 
 def _block_mask(skipped: Tensor, full: Tensor, mask_mod, size: int) -> BlockMask:
     """BlockMask of ``[F, QB, KB]`` skipped / full blocks (the rest partial) with ``mask_mod``."""
-    partial = ~skipped & ~full
-    return BlockMask.from_kv_blocks(
-        *_listed(partial[:, None]), *_listed(full[:, None]), BLOCK_SIZE=_BLOCK, mask_mod=mask_mod,
-        seq_lengths=(size, size),
-    )  # fmt: skip
+    return _from_blocks((~skipped & ~full)[:, None], full[:, None], mask_mod, (_BLOCK, _BLOCK), (size, size))
 
 
 def _query_blocks(size: int, device: torch.device) -> tuple[Tensor, Tensor, int]:
@@ -132,13 +133,13 @@ def row_sorted_keys(lengths: Tensor, prompt_lengths: Tensor, steps: Tensor, num_
     batch, kv_heads = steps.shape[:2]
     device = steps.device
     columns = torch.arange(width, device=device)
-    evict = steps[..., :width].long().clamp(max=_NEVER)  # [B, Hkv, T]
+    evict = steps[..., :width].long().clamp(max=NEVER)  # [B, Hkv, T]
     in_prompt = columns < prompt_lengths.to(device)[:, None, None]
     padding = columns >= lengths.to(device)[:, None, None]
     # The prompt's keys, then the completion's, each by eviction step, then position; the padding last.
     by_eviction = evict * (width + 1) + columns
-    order = torch.where(in_prompt, by_eviction, (_NEVER + 1) * (width + 1) + by_eviction)
-    order = torch.where(padding, 2 * (_NEVER + 1) * (width + 1) + columns, order).argsort(dim=-1)
+    order = torch.where(in_prompt, by_eviction, (NEVER + 1) * (width + 1) + by_eviction)
+    order = torch.where(padding, 2 * (NEVER + 1) * (width + 1) + columns, order).argsort(dim=-1)
     mask_mod, rows, size = row_mask_mod(lengths, steps, width, None, num_heads // kv_heads)
     position = _positions(order, rows, size)  # [F, size], F = rows * Hkv
     # The first query that no longer sees each reordered key: its eviction step, at least its own position + 1 (every
@@ -171,15 +172,15 @@ def packed_sorted_keys(
     count, kv_heads = steps.shape[0], steps.shape[1]
     device = steps.device
     total = width + slots * new
-    own = steps[..., width:].long().clamp(max=_NEVER)  # [R, Hkv, S, N]
+    own = steps[..., width:].long().clamp(max=NEVER)  # [R, Hkv, S, N]
     t = torch.arange(new, device=device)
     within = (own * (new + 1) + t).argsort(dim=-1)  # [R, Hkv, S, N]
     slot_columns = width + torch.arange(slots, device=device)[:, None] * new + within
     # The prompt's keys by their last eviction step over the slots, then position; its padding columns last.
     prompt_columns = torch.arange(width, device=device)
-    last_evicted = steps[..., :width].long().clamp(max=_NEVER).amax(2)  # [R, Hkv, W]
+    last_evicted = steps[..., :width].long().clamp(max=NEVER).amax(2)  # [R, Hkv, W]
     padding = prompt_columns >= prompt_lengths.to(device)[:, None, None]
-    prompt_key = torch.where(padding, _NEVER + 1, last_evicted) * (width + 1) + prompt_columns
+    prompt_key = torch.where(padding, NEVER + 1, last_evicted) * (width + 1) + prompt_columns
     prompt_order = prompt_key.argsort(dim=-1)  # [R, Hkv, W]
     order = torch.cat([prompt_order, slot_columns.flatten(2)], dim=-1)  # [R, Hkv, W + S*N]
     group = num_heads // kv_heads
@@ -189,7 +190,6 @@ def packed_sorted_keys(
     lengths = _pad_to(prompt_lengths.to(device), (rows,)).repeat_interleave(kv_heads)[:, None]  # [F, 1]
     real_row = (torch.arange(folded_rows, device=device) // kv_heads < count)[:, None, None]  # [F, 1, 1]
     first, last, blocks = _query_blocks(size, device)
-    stop = last.clamp(max=total - 1)
     # Key blocks: prompt columns, one slot's keys, or other (mixed, the bucket's padding).
     slot_of = torch.where(position < width, -1, torch.where(position < total, (position - width) // new, slots))
     slot_low, slot_high = (x[:, None] for x in _extremes(slot_of, blocks))  # [F, 1, KB]
@@ -206,11 +206,9 @@ def packed_sorted_keys(
     # Query blocks: prompt, slot (first and last slot, offsets and logical positions), or mixed.
     q_prompt = (last < width)[None, :, None]
     q_slot = (first >= width)[None, :, None]
-    first_slot = ((first - width) // new).clamp(0, slots - 1)
-    last_slot = ((stop - width) // new).clamp(0, slots - 1)
+    first_slot, last_slot, tq_low, tq_high = _slot_query_blocks(first, last, width, slots, new)
     one = first_slot == last_slot
-    tq_low = torch.where(one, (first - width) % new, 0)[None, :, None]  # [1, QB, 1]
-    tq_high = torch.where(one, (stop - width) % new, new - 1)[None, :, None]
+    tq_low, tq_high = tq_low[None, :, None], tq_high[None, :, None]  # [1, QB, 1]
     pos_low, pos_high = lengths[..., None] + tq_low, lengths[..., None] + tq_high  # [F, QB, 1]
     one, first_slot, last_slot = one[None, :, None], first_slot[None, :, None], last_slot[None, :, None]
     # Prompt key blocks for slot queries: the prompt keys' steps of the query block's slots.
@@ -222,10 +220,8 @@ def packed_sorted_keys(
     low, high = _extremes(prompt_steps.flatten(0, 1), prompt_blocks)  # [F * S, KBp]
     low = torch.nn.functional.pad(low.unflatten(0, (folded_rows, slots)), (0, blocks - prompt_blocks))  # [F, S, KB]
     high = torch.nn.functional.pad(high.unflatten(0, (folded_rows, slots)), (0, blocks - prompt_blocks))
-    first_index, last_index = first_slot.flatten(), last_slot.flatten()
-    wide = (last_index - first_index > 1)[None, :, None]
-    latest = torch.where(wide, high.amax(1, keepdim=True), torch.maximum(high[:, first_index], high[:, last_index]))
-    earliest = torch.where(wide, low.amin(1, keepdim=True), torch.minimum(low[:, first_index], low[:, last_index]))
+    latest = _over_slots(high, first_slot.flatten(), last_slot.flatten(), largest=True)  # [F, QB, KB]
+    earliest = _over_slots(low, first_slot.flatten(), last_slot.flatten(), largest=False)
 
     diagonal = (key_first <= last[None, :, None]) & (key_last >= first[None, :, None])  # a column may see itself
     padding_keys = key_first >= lengths[..., None]  # prompt blocks of padding columns only
@@ -238,6 +234,6 @@ def packed_sorted_keys(
     prompt_full = q_prompt & (key_last <= first[None, :, None]) & (key_last < lengths[..., None])
     prompt_full = prompt_full | (q_slot & one & (key_last < lengths[..., None]) & (earliest > pos_high))
     slot_full = q_slot & one & (t_high <= tq_low) & (limit_low > pos_high)  # another slot's: skipped above
-    full = ((prompt_keys & prompt_full) | (one_slot_keys & slot_full)) & (stop == last)[None, :, None] & ~skipped
+    full = ((prompt_keys & prompt_full) | (one_slot_keys & slot_full)) & (last < total)[None, :, None] & ~skipped
     folded = _folded_mask_mod(mask_mod, position.to(torch.int32), kv_heads, group)
     return SortedKeys(order, _block_mask(skipped, full, folded, size))
