@@ -15,28 +15,9 @@ from lit_smd.kv.flex_sorted import _positions, packed_sorted_keys, row_sorted_ke
 from lit_smd.kv.packed import PackedPlan
 from lit_smd.kv.shadow import AttentionPlan, ShadowMask
 
-NEVER = torch.iinfo(torch.int32).max
+from .test_flex_backend import NEVER, _aligned_steps, _block_counts, _exact_blocks, _pattern
+
 PATTERNS = ["recent", "prefill", "h2o", "random"]
-
-
-def _pattern(name: str, logical: torch.Tensor, kv_heads: int, prompt: torch.Tensor, seed: int) -> torch.Tensor:
-    """``[rows, H_kv, T]`` eviction steps over keys at logical positions ``logical [rows, T]``: ``recent`` (4 sinks,
-    the rest 40 positions after the key), ``prefill`` (half the prompt dropped when it ends), ``h2o`` (half the keys
-    40 positions after the key, the rest never; prompt keys at least to its end), ``random``."""
-    g = torch.Generator().manual_seed(seed)
-    rows, width = logical.shape
-    logical = logical[:, None].expand(rows, kv_heads, width).long()
-    prompt = prompt[:, None, None].expand_as(logical)
-    coin = torch.rand(rows, kv_heads, width, generator=g) < 0.5
-    if name == "recent":
-        steps = torch.where(logical < 4, NEVER, logical + 40)
-    elif name == "prefill":
-        steps = torch.where(coin & (logical < prompt - 8), prompt, NEVER)
-    elif name == "h2o":
-        steps = torch.maximum(torch.where(coin, logical + 40, NEVER), prompt)
-    else:
-        steps = logical + torch.randint(1, 2 * width, (rows, kv_heads, width), generator=g)
-    return steps.to(torch.int32)
 
 
 def _check(keys, original_mask_mod, rows: int, heads: int, kv_heads: int) -> tuple[float, float]:
@@ -47,16 +28,8 @@ def _check(keys, original_mask_mod, rows: int, heads: int, kv_heads: int) -> tup
     original = create_mask(original_mask_mod, rows, heads, size, size, device="cpu")[:, :: heads // kv_heads]
     position = _positions(keys.order, rows, size).view(rows, kv_heads, 1, size).expand(-1, -1, size, -1)
     assert torch.equal(visible.view(rows, kv_heads, size, size), original.gather(3, position))
-    partial = flex._blocks_of(block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.kv_indices)
-    full = flex._blocks_of(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, block_mask.kv_indices)
-
-    def positions(blocks: torch.Tensor) -> torch.Tensor:
-        return blocks.repeat_interleave(128, 2).repeat_interleave(128, 3)[..., :size, :size]
-
-    assert not (partial & full).any()
-    assert not (visible & ~positions(partial | full)).any()  # nothing visible is skipped
-    assert visible[positions(full)].all()  # no mask is needed where none is applied
-    return float((partial | full).sum()) / folded, float(full.sum()) / folded
+    computed, full = _block_counts(block_mask, block_mask.mask_mod, folded, 1, size)
+    return computed / folded, full / folded
 
 
 @pytest.mark.parametrize("pattern", PATTERNS)
@@ -145,28 +118,12 @@ def test_sorted_flex_attention_equals_the_sdpa_path(eager_flex, pattern):
     assert (outputs["flex"] - outputs["sdpa"])[:, :prompt_width][real].abs().max() <= 1e-12
 
 
-def _aligned(rows: int, kv_heads: int, keys: int, base: torch.Tensor, seed: int) -> torch.Tensor:
-    """``[rows, H_kv, keys]`` eviction steps, one per 128-key block: ``base + 128 (j + 1 + r) + o`` for key block
-    ``j``, ``r`` in 0..2 per head, ``o`` in (0, 1, 127, 128): at and around a later query block's first position
-    ``base + 128 (j + 1 + r)`` (a reorder by eviction step then moves whole blocks)."""
-    g = torch.Generator().manual_seed(seed)
-    blocks = -(-keys // 128)
-    later = torch.randint(0, 3, (rows, kv_heads, blocks), generator=g)
-    offset = torch.tensor([0, 1, 127, 128])[torch.randint(0, 4, (rows, 1, blocks), generator=g)]
-    steps = base[:, None, None] + 128 * (torch.arange(blocks) + 1 + later) + offset
-    return steps.repeat_interleave(128, dim=-1)[..., :keys].to(torch.int32)
-
-
 def _assert_exact(keys) -> None:
-    """The BlockMask computes exactly the blocks with a visible position, full exactly those visible everywhere."""
+    """The BlockMask of the folded batch computes exactly the blocks with a visible position, full exactly those
+    visible everywhere (`test_flex_backend._exact_blocks`)."""
     block_mask = keys.block_mask
     folded, size = block_mask.kv_num_blocks.shape[0], block_mask.seq_lengths[0]
-    visible = create_mask(block_mask.mask_mod, folded, 1, size, size, device="cpu")
-    tiles = visible.unflatten(2, (-1, 128)).unflatten(4, (-1, 128))  # [F, 1, QB, 128, KB, 128]
-    partial = flex._blocks_of(block_mask.kv_num_blocks, block_mask.kv_indices, block_mask.kv_indices)
-    full = flex._blocks_of(block_mask.full_kv_num_blocks, block_mask.full_kv_indices, block_mask.kv_indices)
-    assert torch.equal(partial | full, tiles.any(5).any(3)) and torch.equal(full, tiles.all(5).all(3))
-    assert full.any()
+    _exact_blocks(block_mask, block_mask.mask_mod, folded, 1, size)
 
 
 def test_sorted_keys_blocks_are_exact_for_block_aligned_evictions():
@@ -177,11 +134,11 @@ def test_sorted_keys_blocks_are_exact_for_block_aligned_evictions():
     lengths, prompts = torch.full((2,), width), torch.full((2,), prompt)
     prompt_lengths, slots, new = torch.tensor([256, 200]), 2, 512
     for seed in range(4):
-        steps = _aligned(2, kv_heads, width, torch.zeros(2, dtype=torch.long), seed=seed)
+        steps = _aligned_steps(2, kv_heads, width, torch.zeros(2, dtype=torch.long), seed=seed)
         _assert_exact(row_sorted_keys(lengths, prompts, steps, heads, width))
         per_slot = [
-            torch.cat([_aligned(2, kv_heads, prompt, prompt_lengths - 128, seed=10 * seed + slot),
-                       _aligned(2, kv_heads, new, prompt_lengths, seed=10 * seed + 5 + slot)], dim=-1)
+            torch.cat([_aligned_steps(2, kv_heads, prompt, prompt_lengths - 128, seed=10 * seed + slot),
+                       _aligned_steps(2, kv_heads, new, prompt_lengths, seed=10 * seed + 5 + slot)], dim=-1)
             for slot in range(slots)
         ]  # fmt: skip
         steps = torch.stack(per_slot, dim=2)  # [R, Hkv, S, W + N]
