@@ -284,8 +284,8 @@ def causal_rows_attention(
         limit = torch.minimum(limit, positions + sliding_window)
 
     if fused_blocks(query, value.shape[-1], features, dropout):
-        out = visible_attention(query, _as_built, (key, value), limit, positions[None], 0, scaling)
-        return out.reshape(batch, q_heads, width, out.shape[-1])
+        return visible_attention(query, _as_built, (key, value), limit, positions[None], 0, scaling,
+                                 fold=query.shape[0] // batch)  # [B, Hq, T, Dv]
 
     def run(start: int, stop: int) -> Tensor:
         lo = max(0, start - sliding_window + 1) if windowed else 0  # keys before lo are out of every query's window
@@ -424,14 +424,20 @@ def _pieces(
 
 
 def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
-    """One softmax's ``(out, log-normaliser)`` from those of disjoint key sets."""
+    """One softmax's ``(out, log-normaliser)`` from those of disjoint key sets, merged in the first set's output
+    buffer (float32 for a lower-precision output: a copy of it)."""
     if len(parts) == 1:
         return parts[0]
     (out_a, lse_a), (out_b, lse_b) = parts
-    lse = torch.logaddexp(lse_a, lse_b)
-    dtype = lse.dtype
-    out = out_a.to(dtype) * (lse_a - lse).exp()[..., None] + out_b.to(dtype) * (lse_b - lse).exp()[..., None]
-    return out.to(out_a.dtype), lse
+    lse = torch.logaddexp(lse_a, lse_b)  # [B', H', Bq]
+    merged = out_a if out_a.dtype == lse.dtype else out_a.to(lse.dtype)  # [B', H', Bq, Dv]
+    merged.mul_((lse_a - lse).exp()[..., None]).addcmul_(out_b, (lse_b - lse).exp()[..., None])
+    return merged, lse
+
+
+def _fold(x: Tensor, fold: int) -> Tensor:
+    """``[B, fold * H', ...] -> [B * fold, H', ...]``, contiguous (the inverse of `visible_attention`'s unfolding)."""
+    return x.unflatten(1, (fold, -1)).flatten(0, 1).contiguous()
 
 
 class _VisibleBlocks(torch.autograd.Function):
@@ -446,10 +452,15 @@ class _VisibleBlocks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, build, layout, scaling, *inputs):
-        limit, query_pos, own_from, block = layout
+        limit, query_pos, own_from, block, fold = layout
         with torch.no_grad():
             keys, values = build(*inputs)
-        out, lse = query.new_empty(*query.shape[:-1], values.shape[-1]), None  # [B', Hq', T, Dv], [B', Hq', T]
+        rows, heads, length = query.shape[:3]
+        # [B, T, fold * H', Dv] in memory, [B, fold * H', T, Dv] to the caller: its transpose to [B, T, H, D] (the
+        # output projection's input) is then a view, not a second copy of the output kept for the backward.
+        out = query.new_empty(rows // fold, length, fold * heads, values.shape[-1]).transpose(1, 2)
+        by_head = out.unflatten(1, (fold, heads))  # [B, fold, H', T, Dv], a view
+        lse = None  # [B', H', T]
         for start, stop, pieces in _blocks(limit, query_pos, own_from, block, query.dtype):
             parts = []
             for piece in pieces:
@@ -460,7 +471,8 @@ class _VisibleBlocks(torch.autograd.Function):
             block_out, block_lse = _merge(parts)
             if lse is None:
                 lse = block_lse.new_empty(query.shape[:-1])
-            out[:, :, start:stop], lse[:, :, start:stop] = block_out, block_lse
+            by_head[:, :, :, start:stop] = block_out.unflatten(0, (-1, fold))
+            lse[:, :, start:stop] = block_lse
         ctx.save_for_backward(query, out, lse, *inputs)
         ctx.build, ctx.layout, ctx.scaling = build, layout, scaling  # the limits: integers, one length axis
         return out
@@ -468,7 +480,7 @@ class _VisibleBlocks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         query, out, lse, *inputs = ctx.saved_tensors
-        limit, query_pos, own_from, block = ctx.layout
+        limit, query_pos, own_from, block, fold = ctx.layout
         needs = ctx.needs_input_grad[4:]
         leaves = [x.detach().requires_grad_(need) for x, need in zip(inputs, needs, strict=True)]
         with torch.enable_grad():
@@ -476,8 +488,8 @@ class _VisibleBlocks(torch.autograd.Function):
         grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
         grad_query = torch.empty_like(query)
         for start, stop, pieces in _blocks(limit, query_pos, own_from, block, query.dtype):
-            block_grad = grad_out[:, :, start:stop].contiguous()
-            block_query, block_out = query[:, :, start:stop], out[:, :, start:stop].contiguous()
+            block_grad = _fold(grad_out[:, :, start:stop], fold)
+            block_query, block_out = query[:, :, start:stop], _fold(out[:, :, start:stop], fold)
             block_lse = lse[:, :, start:stop].contiguous()
             total = None
             for piece in pieces:
@@ -508,6 +520,7 @@ def visible_attention(
     own_from: int,
     scaling: float,
     block: int | None = None,
+    fold: int = 1,
 ) -> Tensor:
     """Masked attention over query blocks, each attending only to the keys it can see, on the CPU's fused kernel.
 
@@ -527,9 +540,11 @@ def visible_attention(
         own_from: The column of query 0's own key.
         scaling: Softmax scaling.
         block: Queries per block (default `VISIBLE_BLOCK`).
+        fold: Consecutive batch entries of ``query`` that are one row's KV heads (`fold_kv_heads`): the output
+            unfolds them into its heads.
 
     Returns:
-        ``[B', H_q', T, D]``.
+        ``[B' / fold, fold * H_q', T, D]``, laid out ``[B' / fold, T, fold * H_q', D]`` in memory.
     """
-    layout = (limit, query_pos, own_from, block or VISIBLE_BLOCK)
+    layout = (limit, query_pos, own_from, block or VISIBLE_BLOCK, fold)
     return _VisibleBlocks.apply(query, build, layout, scaling, *inputs)

@@ -203,7 +203,9 @@ class PackedPlan:
             # The dense view in blocks of `DENSE_BLOCK`: two kernel calls each (the earlier keys, then the block's
             # own keys causally; `_blocks` halves a block where padded prompts would need a large mask).
             block = None if shadow else min(new, DENSE_BLOCK)
-            out = visible_attention(queries, build, inputs[1:], limit, query_pos, width, scaling, block=block)
+            fold = record if shadow else 1  # [R*S, Hq, N, Dv] or [R, S*Hq, N, Dv]
+            out = visible_attention(queries, build, inputs[1:], limit, query_pos, width, scaling, block=block,
+                                    fold=fold)  # fmt: skip
         else:
             out = self._slot_blocks(queries, inputs, limit, row_lengths, per_slot, scaling, dropout, features, sinks)
         out = out.reshape(rows, slots, q_heads, new, out.shape[-1])

@@ -138,3 +138,37 @@ def test_visible_attention_halves_blocks_whose_mask_would_be_too_large(monkeypat
     assert sizes[len(forward_sizes) :] == forward_sizes
     for grad, reference in zip(grads, torch.autograd.grad(expected, (query, key, value), grad_out), strict=True):
         assert (grad - reference).abs().max() <= 1e-12
+
+
+def test_visible_attention_unfolds_kv_heads_into_the_output_heads():
+    """Each KV head its own batch entry (`fold_kv_heads`, one limit row per head): the output comes back as
+    ``[B, H_q, T, D]`` laid out ``[B, T, H_q, D]`` (the output projection's transpose is a view, no second copy),
+    with the values and gradients of each head's own mask."""
+    rows, kv_heads, group = 2, 3, 2
+    query, key, value, limit, query_pos = _case(5, 24, 10, 0.3, rows=rows * kv_heads, group=group)
+    out = visible_attention(query, lambda k, v: (k, v), (key, value), limit, query_pos, 5, 0.4, block=8,
+                            fold=kv_heads)  # fmt: skip
+    expected = _naive(query, key, value, limit, query_pos, 5, 0.4)  # [B*Hkv, G, T, D]
+    expected = expected.reshape(rows, kv_heads * group, *expected.shape[2:])
+    assert out.shape == expected.shape and out.transpose(1, 2).is_contiguous()
+    assert (out - expected).abs().max() <= 1e-12
+    grad_out = torch.randn_like(expected)
+    for grad, reference in zip(
+        torch.autograd.grad(out, (query, key, value), grad_out),
+        torch.autograd.grad(expected, (query, key, value), grad_out),
+        strict=True,
+    ):
+        assert (grad - reference).abs().max() <= 1e-12
+
+
+def test_visible_attention_in_bfloat16_stays_within_its_rounding():
+    """bfloat16 inputs, query blocks of two pieces merged in place: the output is within a few bfloat16 roundings of
+    the float64 attention of the same (rounded) inputs."""
+    query, key, value, limit, query_pos = _case(9, 40, 12, 0.3)
+    low = [x.detach().to(torch.bfloat16) for x in (query, key, value)]
+    expected = _naive(*[x.double() for x in low], limit, query_pos, 9, 0.5)
+    out = visible_attention(low[0], lambda k, v: (k, v), tuple(low[1:]), limit, query_pos, 9, 0.5, block=8)
+    assert out.dtype == torch.bfloat16
+    rounding = (expected.to(torch.bfloat16).double() - expected).abs().max()
+    error = (out.double() - expected).abs().max()
+    assert error <= 3 * rounding, (error, rounding)
