@@ -154,10 +154,33 @@ def dense_hidden_states(model: torch.nn.Module, rollout: Rollout, masked: Learne
         return _dense_rows_in_chunks(model, rollout, masked.backend)
     if not packing.plan.prompt_kv:
         return learner_hidden_states(model, rollout, shadow=False, backend=masked.backend).hidden
-    width = packing.plan.prompt_width
-    slots = _run_decoder(model, packing.ids[:, width:], packing.positions[:, width:], packing.plan.for_slots())
-    packed = torch.cat([masked._prompt_hidden, slots], dim=1)  # [R, W + S*N, H]
+    packed = torch.cat([masked._prompt_hidden, _dense_slots_in_chunks(model, packing)], dim=1)  # [R, W + S*N, H]
     return _assemble(rollout, packing, packed, masked._fallback, model, shadow=False, backend=masked.backend)
+
+
+def _dense_slots_in_chunks(model: torch.nn.Module, packing: _Packing) -> Tensor:
+    """``[R, S*N, H]``: the dense view of every slot over its packed row's kept prompt keys (`PackedPlan.for_slots`),
+    `TEACHER_TOKENS` at a time (at least one slot per call): the slots are independent there, and a call's per-layer
+    transient is the teacher's share of SMD's peak."""
+    plan, width, new = packing.plan.for_slots(), packing.plan.prompt_width, packing.plan.slot_width
+    rows, slots = len(plan.prompt_lengths), plan.num_slots
+    per_call = max(1, TEACHER_TOKENS // new)  # slots per decoder call
+    row_chunk, slot_chunk = max(1, per_call // slots), min(slots, per_call)
+    ids, positions = packing.ids[:, width:], packing.positions[:, width:]  # [R, S*N]
+    if row_chunk >= rows and slot_chunk == slots:
+        return _run_decoder(model, ids, positions, plan)
+    out = []
+    for start in range(0, rows, row_chunk):
+        part = slice(start, start + row_chunk)
+        kept = {layer: (keys[part], values[part]) for layer, (keys, values) in plan.prompt_kv.items()}
+        row_out = []
+        for first in range(0, slots, slot_chunk):
+            count = min(slot_chunk, slots - first)
+            columns = slice(first * new, (first + count) * new)
+            chunk = replace(plan, prompt_lengths=plan.prompt_lengths[part], num_slots=count, prompt_kv=kept, _masks={})
+            row_out.append(_run_decoder(model, ids[part, columns], positions[part, columns], chunk))
+        out.append(torch.cat(row_out, dim=1))  # [r, S*N, H]
+    return torch.cat(out)
 
 
 def score(

@@ -461,6 +461,34 @@ def test_per_row_teacher_runs_in_row_chunks_with_the_same_states(model64, monkey
     assert ((whole - _per_row(model, rollout, False)) * valid).abs().max() <= 1e-12
 
 
+@pytest.mark.parametrize("tokens", ["one slot", "one row"])
+def test_shared_prefix_teacher_runs_in_chunks_with_the_same_states(model64, monkeypatch, tokens):
+    """The packed dense teacher runs `TEACHER_TOKENS` at a time, whole slots (one slot per call, or a packed row's
+    slots): the same hidden states as one call over every slot, and as the dense per-row pass."""
+    import lit_smd.learner as learner_module
+
+    model = model64("qwen3")
+    rollout = _rollout(model)
+    masked = learner_hidden_states(model, rollout, shadow=True, keep_prompt_kv=True)
+    plan = masked._packing.plan
+    rows, slots = len(plan.prompt_lengths), plan.num_slots
+    assert rows > 1 and slots > 1
+    with torch.no_grad():
+        whole = dense_hidden_states(model, rollout, masked)
+        calls = []
+        run = learner_module._run_decoder
+        spy = lambda model, ids, *args: calls.append(ids.numel()) or run(model, ids, *args)  # noqa: E731
+        monkeypatch.setattr(learner_module, "_run_decoder", spy)
+        per_call = 1 if tokens == "one slot" else slots * plan.slot_width
+        monkeypatch.setattr(learner_module, "TEACHER_TOKENS", per_call)
+        chunked = dense_hidden_states(model, rollout, masked)
+    expected_calls = rows * slots if tokens == "one slot" else rows
+    assert calls == [rows * slots * plan.slot_width // expected_calls] * expected_calls
+    valid = rollout.completion_mask[..., None]
+    assert ((chunked - whole) * valid).abs().max() <= 1e-12
+    assert ((whole - _per_row(model, rollout, False)) * valid).abs().max() <= 1e-12
+
+
 def test_kept_prompt_keys_and_hidden_states_hold_only_the_prompt(model64):
     model = model64("qwen3")
     rollout = _rollout(model)
