@@ -546,5 +546,7 @@ def visible_attention(
     Returns:
         ``[B' / fold, fold * H_q', T, D]``, laid out ``[B' / fold, T, fold * H_q', D]`` in memory.
     """
+    if isinstance(fold, bool) or not isinstance(fold, int) or fold < 1 or query.shape[0] % fold:
+        raise ValueError(f"fold must be a positive divisor of the query's batch size {query.shape[0]}, got {fold!r}")
     layout = (limit, query_pos, own_from, block or VISIBLE_BLOCK, fold)
     return _VisibleBlocks.apply(query, build, layout, scaling, *inputs)

@@ -151,6 +151,9 @@ def test_visible_attention_unfolds_kv_heads_into_the_output_heads():
     expected = _naive(query, key, value, limit, query_pos, 5, 0.4)  # [B*Hkv, G, T, D]
     expected = expected.reshape(rows, kv_heads * group, *expected.shape[2:])
     assert out.shape == expected.shape and out.transpose(1, 2).is_contiguous()
+    for bad in (0, 4, True):
+        with pytest.raises(ValueError, match="fold"):
+            visible_attention(query, lambda k, v: (k, v), (key, value), limit, query_pos, 5, 0.4, fold=bad)
     assert (out - expected).abs().max() <= 1e-12
     grad_out = torch.randn_like(expected)
     for grad, reference in zip(
