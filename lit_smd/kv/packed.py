@@ -153,7 +153,7 @@ class PackedPlan:
             layer_idx, query[:, :, width:], key[:, :, :width], value[:, :, :width], key[:, :, width:],
             value[:, :, width:], scaling, dropout, sliding_window, features,
         )  # fmt: skip
-        return torch.cat([prompt_out, slot_out], dim=2).transpose(1, 2).contiguous()
+        return torch.cat([prompt_out.transpose(1, 2), slot_out.transpose(1, 2)], dim=1)  # [R, W + S*N, Hq, Dv]
 
     def _attend_slots(
         self, layer_idx, query, prompt_key, prompt_value, slot_key, slot_value, scaling, dropout, sliding_window,
