@@ -276,19 +276,25 @@ def test_compiled_flex_matches_sdpa_in_both_layouts(peaky_model_factory):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("layout", ["shared_prefix", "per_row"])
-def test_flex_dense_teacher_over_the_kept_prompt_keys(peaky_model_factory, layout):
+def test_flex_dense_teacher_over_the_kept_prompt_keys(peaky_model_factory, layout, monkeypatch):
     """SMD's dense teacher after a FlexAttention shadow pass: its completions over the kept prompt keys run
-    FlexAttention too (the whole row's dense view, prompt queries zero), equal to a dense SDPA pass (forward)."""
+    FlexAttention too (the whole row's dense view, prompt queries zero), equal to a dense SDPA pass (forward); so
+    does the teacher in chunks of one row or slot per call (`TEACHER_TOKENS`)."""
+    import lit_smd.learner as learner_module
     from tests.test_learner import _rollout
 
     model = peaky_model_factory("qwen3", dtype=torch.float32)
     rollout = _rollout(model)
+    valid = rollout.completion_mask[..., None]
     with torch.no_grad():
         masked = learner_hidden_states(model, rollout, layout=layout, backend="flex", keep_prompt_kv=True)
         teacher = dense_hidden_states(model, rollout, masked)  # [B, N, H]
         dense = learner_hidden_states(model, rollout, shadow=False, layout=layout, backend="sdpa").hidden
+        monkeypatch.setattr(learner_module, "TEACHER_TOKENS", 1)
+        chunked = dense_hidden_states(model, rollout, masked)
     assert masked.backend == "flex"
-    assert ((teacher - dense) * rollout.completion_mask[..., None]).abs().max() <= 1e-4
+    assert ((teacher - dense) * valid).abs().max() <= 1e-4
+    assert ((chunked - dense) * valid).abs().max() <= 1e-4
 
 
 @pytest.mark.slow
