@@ -489,6 +489,30 @@ def test_shared_prefix_teacher_runs_in_chunks_with_the_same_states(model64, monk
     assert ((whole - _per_row(model, rollout, False)) * valid).abs().max() <= 1e-12
 
 
+def test_flex_teacher_keeps_a_packed_rows_slots_in_one_call(model64, monkeypatch):
+    """On FlexAttention the slots-only pass computes the prompt's query rows too: the chunked teacher splits rows,
+    never one row's slots (each split would pay for the prompt again)."""
+    import lit_smd.learner as learner_module
+
+    model = model64("qwen3")
+    rollout = _rollout(model)
+    masked = learner_hidden_states(model, rollout, shadow=True, keep_prompt_kv=True)
+    plan = masked._packing.plan
+    plan.backend = "flex"  # the chunking policy only: the decoder calls below are stubbed
+    calls = []
+
+    def stub(model, ids, positions, chunk_plan):
+        calls.append((ids.shape, chunk_plan.num_slots, chunk_plan.backend))
+        return torch.zeros(*ids.shape, model.config.hidden_size)
+
+    monkeypatch.setattr(learner_module, "_run_decoder", stub)
+    monkeypatch.setattr(learner_module, "TEACHER_TOKENS", 1)
+    with torch.no_grad():
+        dense_hidden_states(model, rollout, masked)
+    rows, slots, new = len(plan.prompt_lengths), plan.num_slots, plan.slot_width
+    assert calls == [(torch.Size([1, slots * new]), slots, "flex")] * rows
+
+
 def test_kept_prompt_keys_and_hidden_states_hold_only_the_prompt(model64):
     model = model64("qwen3")
     rollout = _rollout(model)
