@@ -162,16 +162,14 @@ def dense_hidden_states(model: torch.nn.Module, rollout: Rollout, masked: Learne
 def _dense_slots_in_chunks(model: torch.nn.Module, packing: _Packing) -> Tensor:
     """``[R, S*N, H]``: the dense view of every slot over its packed row's kept prompt keys (`PackedPlan.for_slots`),
     `TEACHER_TOKENS` at a time (at least one slot per call): the slots are independent there, and a call's per-layer
-    transient is the teacher's share of SMD's peak. FlexAttention's slots-only pass also computes its prompt's
-    (zero) query rows, so there a packed row's slots stay in one call (rows are still split): split slots would
-    each pay for the prompt again."""
+    transient is the teacher's share of SMD's peak. On FlexAttention one call, as the masked pass: every other
+    batch or width would be one more compiled shape."""
     plan, width, new = packing.plan.for_slots(), packing.plan.prompt_width, packing.plan.slot_width
     rows, slots = len(plan.prompt_lengths), plan.num_slots
     ids, positions = packing.ids[:, width:], packing.positions[:, width:]  # [R, S*N]
     per_call = max(1, TEACHER_TOKENS // new)  # slots per decoder call
-    whole_rows = use_flex(plan.backend, ids.device, 0.0)
-    row_chunk, slot_chunk = max(1, per_call // slots), slots if whole_rows else min(slots, per_call)
-    if row_chunk >= rows and slot_chunk == slots:
+    row_chunk, slot_chunk = max(1, per_call // slots), min(slots, per_call)
+    if use_flex(plan.backend, ids.device, 0.0) or (row_chunk >= rows and slot_chunk == slots):
         return _run_decoder(model, ids, positions, plan)
     out = []
     for start in range(0, rows, row_chunk):

@@ -489,16 +489,16 @@ def test_shared_prefix_teacher_runs_in_chunks_with_the_same_states(model64, monk
     assert ((whole - _per_row(model, rollout, False)) * valid).abs().max() <= 1e-12
 
 
-def test_flex_teacher_keeps_a_packed_rows_slots_in_one_call(model64, monkeypatch):
-    """On FlexAttention the slots-only pass computes the prompt's query rows too: the chunked teacher splits rows,
-    never one row's slots (each split would pay for the prompt again)."""
+def test_flex_teacher_runs_the_packed_batch_in_one_call(model64, monkeypatch):
+    """On FlexAttention the packed teacher is one decoder call, the masked pass's shape (a chunk's batch or width
+    would be one more compilation)."""
     import lit_smd.learner as learner_module
 
     model = model64("qwen3")
     rollout = _rollout(model)
     masked = learner_hidden_states(model, rollout, shadow=True, keep_prompt_kv=True)
     plan = masked._packing.plan
-    plan.backend = "flex"  # the chunking policy only: the decoder calls below are stubbed
+    plan.backend = "flex"  # the chunking policy only: the decoder call below is stubbed
     calls = []
 
     def stub(model, ids, positions, chunk_plan):
@@ -510,7 +510,7 @@ def test_flex_teacher_keeps_a_packed_rows_slots_in_one_call(model64, monkeypatch
     with torch.no_grad():
         dense_hidden_states(model, rollout, masked)
     rows, slots, new = len(plan.prompt_lengths), plan.num_slots, plan.slot_width
-    assert calls == [(torch.Size([1, slots * new]), slots, "flex")] * rows
+    assert calls == [(torch.Size([rows, slots * new]), slots, "flex")]
 
 
 def test_kept_prompt_keys_and_hidden_states_hold_only_the_prompt(model64):

@@ -62,6 +62,7 @@ __all__ = [
     "row_block_mask",
     "row_mask_mod",
     "use_flex",
+    "without_leading_queries",
 ]
 
 Backend = Literal["auto", "sdpa", "flex"]
@@ -462,6 +463,27 @@ def packed_block_mask(
         return dense
     mask_mod = packed_mask_mod(*layout, steps, sliding_window, num_heads // steps.shape[1])[0]
     return _within(dense, mask_mod, *_packed_eviction_blocks(dense, *layout, steps))
+
+
+def without_leading_queries(mask: BlockMask, count: int) -> BlockMask:
+    """``mask`` with every query block that holds only its first ``count`` queries computing nothing (those rows'
+    outputs are zero): for a pass whose first ``count`` query rows are padding whose outputs are dropped (the
+    slots-only pass over a packed row, `lit_smd.kv.packed.PackedPlan.for_slots`)."""
+    drop = count // mask.BLOCK_SIZE[0]
+    if drop == 0:
+        return mask
+
+    def emptied(counts: Tensor | None) -> Tensor | None:  # [rows, H, QB]
+        if counts is None:
+            return None
+        counts = counts.clone()
+        counts[..., :drop] = 0
+        return counts
+
+    return BlockMask.from_kv_blocks(
+        emptied(mask.kv_num_blocks), mask.kv_indices, emptied(mask.full_kv_num_blocks), mask.full_kv_indices,
+        BLOCK_SIZE=mask.BLOCK_SIZE, mask_mod=mask.mask_mod, seq_lengths=mask.seq_lengths,
+    )  # fmt: skip
 
 
 # -------------------------------------------------------------------------------------------------------- attention

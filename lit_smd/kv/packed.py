@@ -62,7 +62,7 @@ from lit_smd.kv.blocked import (
     visible_attention,
 )
 from lit_smd.kv.features import PLAIN, AttentionFeatures, softmax_dtype
-from lit_smd.kv.flex import Backend, flex_feature_attention, packed_block_mask, use_flex
+from lit_smd.kv.flex import Backend, flex_feature_attention, packed_block_mask, use_flex, without_leading_queries
 from lit_smd.kv.flex_sorted import packed_sorted_keys, sorted_attention
 
 __all__ = ["PackedPlan"]
@@ -259,11 +259,13 @@ class PackedPlan:
 
     def _block_mask(self, layer_idx: int, q_heads: int, sliding_window: int | None):
         """FlexAttention BlockMask of the whole packed row for one layer (`lit_smd.kv.flex.packed_block_mask`): the
-        dense view's once per plan and window; the shadow view's, within its blocks, per call and not kept."""
+        dense view's once per plan and window (in a slots-only pass without the prompt's query blocks, whose rows are
+        padding); the shadow view's, within its blocks, per call and not kept."""
         layout = (self.prompt_lengths, self.prompt_width, self.num_slots, self.slot_width)
         cache_key = ("block", sliding_window)
         if cache_key not in self._masks:
-            self._masks[cache_key] = packed_block_mask(*layout, None, q_heads, sliding_window)
+            mask = packed_block_mask(*layout, None, q_heads, sliding_window)
+            self._masks[cache_key] = without_leading_queries(mask, self.prompt_width) if self.slots_only else mask
         if self.steps is None:
             return self._masks[cache_key]
         steps = self.steps[layer_idx]  # [R, Hkv, S, W + N]

@@ -12,6 +12,7 @@ from torch.nn.attention.flex_attention import create_mask
 
 from lit_smd.kv import flex
 from lit_smd.kv.flex import FlexRecompileLimitError, bucket, flex_compilations, row_mask_mod
+from lit_smd.kv.packed import PackedPlan
 from lit_smd.kv.shadow import AttentionPlan, ShadowMask
 from lit_smd.learner import dense_hidden_states, learner_hidden_states, score
 from lit_smd.rollout import generate
@@ -275,26 +276,60 @@ def test_compiled_flex_matches_sdpa_in_both_layouts(peaky_model_factory):
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("prompts", [(40, 31), (150, 140)], ids=["short", "past_a_block"])
 @pytest.mark.parametrize("layout", ["shared_prefix", "per_row"])
-def test_flex_dense_teacher_over_the_kept_prompt_keys(peaky_model_factory, layout, monkeypatch):
+def test_flex_dense_teacher_over_the_kept_prompt_keys(peaky_model_factory, layout, prompts):
     """SMD's dense teacher after a FlexAttention shadow pass: its completions over the kept prompt keys run
-    FlexAttention too (the whole row's dense view, prompt queries zero), equal to a dense SDPA pass (forward); so
-    does the teacher in chunks of one row or slot per call (`TEACHER_TOKENS`)."""
-    import lit_smd.learner as learner_module
+    FlexAttention too (the whole row's dense view, prompt queries zero, those of whole prompt blocks skipped), equal
+    to a dense SDPA pass (forward)."""
     from tests.test_learner import _rollout
 
     model = peaky_model_factory("qwen3", dtype=torch.float32)
-    rollout = _rollout(model)
-    valid = rollout.completion_mask[..., None]
+    rollout = _rollout(model, lengths=prompts)
     with torch.no_grad():
         masked = learner_hidden_states(model, rollout, layout=layout, backend="flex", keep_prompt_kv=True)
         teacher = dense_hidden_states(model, rollout, masked)  # [B, N, H]
         dense = learner_hidden_states(model, rollout, shadow=False, layout=layout, backend="sdpa").hidden
-        monkeypatch.setattr(learner_module, "TEACHER_TOKENS", 1)
-        chunked = dense_hidden_states(model, rollout, masked)
     assert masked.backend == "flex"
-    assert ((teacher - dense) * valid).abs().max() <= 1e-4
-    assert ((chunked - dense) * valid).abs().max() <= 1e-4
+    assert ((teacher - dense) * rollout.completion_mask[..., None]).abs().max() <= 1e-4
+
+
+def _leading_query_case():  # [prompt | 2 slots] rows, W = 200: one whole 128-row query block of prompt
+    layout = (torch.tensor([200, 150]), 200, 2, 60)  # prompt lengths, width W, slots, slot width
+    mask = flex.packed_block_mask(*layout, None, 2, None)
+    return mask, flex.without_leading_queries(mask, 200), 200 // mask.BLOCK_SIZE[0]
+
+
+def test_without_leading_queries_empties_only_whole_padding_blocks():
+    """The slots-only pass's query rows ``[0, W)`` are padding: the query blocks wholly inside them list no key
+    block, the block across ``W`` and every later one keep theirs."""
+    mask, skipped, first = _leading_query_case()
+    assert first == 1 and int(mask.kv_num_blocks[..., :first].sum() + mask.full_kv_num_blocks[..., :first].sum()) > 0
+    assert int(skipped.kv_num_blocks[..., :first].sum() + skipped.full_kv_num_blocks[..., :first].sum()) == 0
+    assert torch.equal(skipped.kv_num_blocks[..., first:], mask.kv_num_blocks[..., first:])
+    assert torch.equal(skipped.full_kv_num_blocks[..., first:], mask.full_kv_num_blocks[..., first:])
+    assert torch.equal(skipped.kv_indices, mask.kv_indices)
+    assert torch.equal(skipped.full_kv_indices, mask.full_kv_indices)
+    assert flex.without_leading_queries(mask, 127) is mask
+    plan = PackedPlan(torch.tensor([200, 150]), 200, 2, 60, backend="flex", slots_only=True)
+    assert torch.equal(plan._block_mask(0, 2, None).kv_num_blocks, skipped.kv_num_blocks)  # the teacher's pass
+
+
+@pytest.mark.slow
+def test_without_leading_queries_computes_zero_rows_and_the_same_others():
+    """The learner's compiled FlexAttention (eager FlexAttention ignores the block lists): the skipped blocks' rows
+    are zero, the others exactly those of the full mask."""
+    from lit_smd.kv.features import PLAIN
+
+    mask, skipped, first = _leading_query_case()
+    g = torch.Generator().manual_seed(0)
+    rows, size = mask.kv_num_blocks.shape[0], mask.seq_lengths[0]
+    query, key, value = (torch.randn(rows, 2, size, 8, generator=g) for _ in range(3))
+    expected = flex.flex_feature_attention(query, key, value, mask, 0.35, PLAIN)
+    out = flex.flex_feature_attention(query, key, value, skipped, 0.35, PLAIN)
+    boundary = first * mask.BLOCK_SIZE[0]
+    assert torch.equal(out[:, :, boundary:], expected[:, :, boundary:])
+    assert out[:, :, :boundary].abs().max() == 0 < expected[:, :, :boundary].abs().max()
 
 
 @pytest.mark.slow
