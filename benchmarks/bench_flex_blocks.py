@@ -20,6 +20,11 @@ each other key evicted ``--recent`` positions after it), ``prefill`` (SnapKV at 
 (torch has no FlexAttention backward there), float32. Prints the blocks computed and full, and each time as a ratio to
 dense's in the same run (median of ``--repeats``, the variants in turns).
 
+``--teacher`` adds SMD's dense teacher (``shared_prefix``): its slots-only pass over the kept prompt keys
+(`lit_smd.kv.packed.PackedPlan.for_slots`), whose prompt query rows are padding, with the dense view's block mask (the
+prompt's rows computed and dropped, as before) and without those rows' query blocks
+(`lit_smd.kv.flex.without_leading_queries`, what the teacher runs); forward only, as the teacher runs.
+
 Usage::
 
     python benchmarks/bench_flex_blocks.py --device cuda          # Qwen3-1.7B heads, 1024 + 2 x 8192
@@ -111,18 +116,40 @@ def measure(name: str, tensors: tuple[torch.Tensor, ...], args: argparse.Namespa
     return row
 
 
-def table(rows: list[dict[str, Any]]) -> str:
+TEACHER_VARIANTS = ("teacher, prompt rows computed", "teacher")
+
+
+def measure_teacher(tensors: tuple[torch.Tensor, ...], args: argparse.Namespace, device) -> dict[str, Any]:
+    """Block counts and forward times of the teacher's slots-only pass with and without the prompt's query blocks."""
+    layout = (torch.tensor([args.prompt], device=device), args.prompt, args.group, args.new)
+    dense = flex.packed_block_mask(*layout, None, args.heads, None)
+    masks = dict(zip(TEACHER_VARIANTS, (dense, flex.without_leading_queries(dense, args.prompt)), strict=True))
+
+    def run(variant: str) -> None:
+        with torch.no_grad():
+            flex.flex_feature_attention(*tensors, masks[variant], args.head_dim**-0.5, PLAIN)
+
+    timed = C.time_interleaved({variant: (lambda v=variant: run(v)) for variant in TEACHER_VARIANTS}, device,
+                               repeats=args.repeats, alternate=True)  # fmt: skip
+    row: dict[str, Any] = {"mask": "none (dense teacher)"}
+    for variant in TEACHER_VARIANTS:
+        computed, full = block_counts(masks[variant])
+        row[variant] = {"blocks": computed, "full_blocks": full, "median_s": timed[variant]["median_s"]}
+    return row
+
+
+def table(rows: list[dict[str, Any]], variants: tuple[str, ...] = VARIANTS) -> str:
     lines = []
     for row in rows:
-        dense_s = row["dense"]["median_s"]
-        for variant in VARIANTS:
+        dense_s = row[variants[0]]["median_s"]
+        for variant in variants:
             entry = row[variant]
             lines.append([
                 row["mask"], variant, C.fmt(entry["blocks"], ".0f"), C.fmt(entry["full_blocks"], ".0f"),
                 C.fmt(entry["median_s"] * 1e3, ".1f"),
                 C.fmt(entry["median_s"] / dense_s, ".2f") + "x",
             ])  # fmt: skip
-    headers = ["mask", "block mask", "blocks computed (per KV head)", "of which full", "ms", "vs dense"]
+    headers = ["mask", "block mask", "blocks computed (per KV head)", "of which full", "ms", f"vs {variants[0]}"]
     return C.markdown_table(headers, lines)
 
 
@@ -143,6 +170,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--masks", nargs="+", choices=patterns, default=patterns)
     parser.add_argument("--budget", type=float, default=0.5, help="kept share of the h2o / prefill patterns")
     parser.add_argument("--recent", type=int, default=1024, help="keys the recent window keeps")
+    parser.add_argument("--teacher", action="store_true",
+                        help="also time the dense teacher's slots-only pass with / without the prompt's query rows")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--seed", type=int, default=0)
     C.add_threads_flag(parser, default=None)
@@ -152,6 +181,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
+    if args.teacher and args.layout != "shared_prefix":
+        raise ValueError("--teacher times the shared-prefix teacher: use it with --layout shared_prefix")
     device = C.resolve_device(args.device)
     C.apply_threads(args.threads, device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -164,12 +195,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for name in args.masks:
         payload["results"].append(measure(name, tensors, args, device))
         C.write_json(args.json, payload)
+    teacher = ""
+    if args.teacher:
+        payload["teacher"] = measure_teacher(tensors, args, device)
+        C.write_json(args.json, payload)
+        teacher = "\n\nThe dense teacher's slots-only pass (forward):\n\n"
+        teacher += table([payload["teacher"]], TEACHER_VARIANTS)
     text = (
         f"# FlexAttention blocks of one {'packed layer' if packed else 'per-row layer'}: {args.prompt} + "
         f"{args.group} x {args.new} tokens, "
         f"{args.heads}/{args.kv_heads} heads of {args.head_dim}, {dtype}, "
         f"{'forward + backward' if device.type == 'cuda' else 'forward'}\n\n{C.describe(payload['environment'])}\n\n"
         + table(payload["results"])
+        + teacher
     )
     print(text)
     C.write_markdown(args.markdown, text)

@@ -18,7 +18,8 @@
 #                backward against SDPA, the shadow mask replayed against the CUDA sampler, a bf16 SMD fit    <= 150 s
 #   2. blocks    benchmarks/bench_flex_blocks.py: one packed layer (Qwen3-1.7B heads, 1024 + 2 x 8192) on FlexAttention,
 #                forward + backward, the shadow view's block masks (keys in order: all partial, classified; keys
-#                reordered by eviction, the learner's) against the dense view's, per pattern (h2o, recent, prefill) <= 100 s
+#                reordered by eviction, the learner's) against the dense view's, per pattern (h2o, recent, prefill);
+#                and the dense teacher's slots-only pass with / without the prompt's query rows (--teacher)     <= 100 s
 #   3. learner   benchmarks/gpu_learner.py: dense and SMD learner steps side by side at 8k and 7.75k
 #                completions on FlexAttention: peak memory, time, ratios to dense, compilations, and a profile of
 #                one more step per mode (top operators by device time)                                          <= 240 s
@@ -52,11 +53,11 @@ if [ "$TOY" = auto ]; then
 fi
 if [ "$TOY" = 1 ]; then
     ARGS=(--toy --device cpu)
-    BLOCKS=(--device cpu --prompt 256 --new 384 --heads 4 --kv-heads 2 --head-dim 16 --recent 128 --repeats 1)
+    BLOCKS=(--device cpu --prompt 256 --new 384 --heads 4 --kv-heads 2 --head-dim 16 --recent 128 --repeats 1 --teacher)
     echo "=== no CUDA device (or GPU_CHECK_TOY=1): toy sizes on the CPU; the figures are meaningless"
 else
     ARGS=(--device cuda)
-    BLOCKS=(--device cuda)
+    BLOCKS=(--device cuda --teacher)
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv 2>&1
 fi
 

@@ -230,12 +230,20 @@ def test_flex_blocks_benchmark(run_all, tmp_path):
     bench = importlib.import_module("bench_flex_blocks")  # on the path while the run_all fixture holds it
     for layout in ("shared_prefix", "per_row"):
         out = tmp_path / f"{layout}.json"
+        teacher = ["--teacher"] if layout == "shared_prefix" else []
         bench.main(["--device", "cpu", "--layout", layout, "--prompt", "256", "--new", "384", "--heads", "4",
-                    "--kv-heads", "2", "--head-dim", "16", "--recent", "128", "--repeats", "1", "--json", str(out)])
-        rows = {row["mask"]: row for row in json.loads(out.read_text())["results"]}
+                    "--kv-heads", "2", "--head-dim", "16", "--recent", "128", "--repeats", "1", "--json", str(out),
+                    *teacher])  # fmt: skip
+        payload = json.loads(out.read_text())
+        rows = {row["mask"]: row for row in payload["results"]}
         assert set(rows) == {"h2o", "recent", "prefill"}
         for row in rows.values():
             assert row["shadow"]["blocks"] <= row["dense"]["blocks"] == row["shadow, all partial"]["blocks"]
             assert all(row[variant]["median_s"] > 0 for variant in bench.VARIANTS)
         assert rows["recent"]["shadow"]["blocks"] < rows["recent"]["dense"]["blocks"]
         assert rows["prefill"]["shadow"]["full_blocks"] > 0 == rows["h2o"]["shadow, all partial"]["full_blocks"]
+        if teacher:  # the prompt's 2 whole query blocks skipped
+            kept, computed = (payload["teacher"][variant] for variant in reversed(bench.TEACHER_VARIANTS))
+            assert kept["blocks"] < computed["blocks"] and kept["median_s"] > 0 < computed["median_s"]
+    with pytest.raises(ValueError, match="--teacher"):
+        bench.main(["--device", "cpu", "--layout", "per_row", "--teacher"])
