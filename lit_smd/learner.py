@@ -57,12 +57,12 @@ LearnerLayout = Literal["shared_prefix", "per_row"]
 LEARNER_LAYOUTS: tuple[str, ...] = ("shared_prefix", "per_row")
 
 TEACHER_TOKENS = 1 << 11
-"""Most tokens of one decoder call of `dense_hidden_states` (at least one row, or one slot of a packed row): the
-teacher runs without gradient while the masked pass's activations are held, so its per-layer transient sets SMD's
-peak; in chunks it is one chunk's, not the batch's. At 8192 two 4k rows of the 2-layer benchmark model shared a call
-and SMD's peak was 1.19x dense's; at 2048, 1.11x, for about 5% more teacher time (one more call per row); 2048 tokens
-still fill a GPU's matmuls at Qwen3 widths. The packed slots one per call at 2 x 2k: 62.6 -> 57.4 MiB of tensors at
-SMD's peak (dense: 55.5)."""
+"""Most tokens of one decoder call of `dense_hidden_states` (at least one row, or one slot of a packed row; the packed
+teacher on FlexAttention is one call, `_dense_slots_in_chunks`): the teacher runs without gradient while the masked
+pass's activations are held, so its per-layer transient sets SMD's peak; in chunks it is one chunk's, not the batch's.
+At 8192 two 4k rows of the 2-layer benchmark model shared a call and SMD's peak was 1.19x dense's; at 2048, 1.11x,
+for about 5% more teacher time (one more call per row); 2048 tokens still fill a GPU's matmuls at Qwen3 widths. The
+packed slots one per call at 2 x 2k: 62.6 -> 57.4 MiB of tensors at SMD's peak (dense: 55.5)."""
 
 
 def check_learner_layout(layout: object, name: str = "learner_layout") -> None:
