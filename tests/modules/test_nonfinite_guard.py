@@ -336,7 +336,7 @@ def _ddp_main(report_path: str) -> None:
     }
     if trainer.global_rank == 0:
         Path(report_path).write_text(json.dumps(gathered))
-    # gloo's threads torn down by the interpreter's exit instead aborted about one run in three ("terminate called
+    # gloo's threads torn down by the interpreter's exit instead aborted half the runs ("terminate called
     # without an active exception", exit code -6) after a successful fit.
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
