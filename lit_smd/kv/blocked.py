@@ -37,7 +37,7 @@ import torch
 from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
-from lit_smd.kv.features import AttentionFeatures, attention, softmax_dtype
+from lit_smd.kv.features import PLAIN, AttentionFeatures, attention, softmax_dtype
 
 __all__ = [
     "BLOCK_ELEMENTS",
@@ -433,11 +433,6 @@ def _merge(parts: list[tuple[Tensor, Tensor]]) -> tuple[Tensor, Tensor]:
     return merged, lse
 
 
-def _fold(x: Tensor, fold: int) -> Tensor:
-    """``[B, fold * H', ...] -> [B * fold, H', ...]``, contiguous (the inverse of `visible_attention`'s unfolding)."""
-    return x.unflatten(1, (fold, -1)).flatten(0, 1).contiguous()
-
-
 class _VisibleBlocks(torch.autograd.Function):
     """`visible_attention` on the CPU's fused kernel: one autograd node for all query blocks of a layer.
 
@@ -486,8 +481,10 @@ class _VisibleBlocks(torch.autograd.Function):
         grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
         grad_query = torch.empty_like(query)
         for start, stop, pieces in _blocks(limit, query_pos, own_from, block, query.dtype):
-            block_grad = _fold(grad_out[:, :, start:stop], fold)
-            block_query, block_out = query[:, :, start:stop], _fold(out[:, :, start:stop], fold)
+            # [B, fold * H', Bq, D] -> [B', H', Bq, D], as the queries were folded (`fold_kv_heads`)
+            block_grad = fold_kv_heads(grad_out[:, :, start:stop], PLAIN, fold)[0].contiguous()
+            block_out = fold_kv_heads(out[:, :, start:stop], PLAIN, fold)[0].contiguous()
+            block_query = query[:, :, start:stop]
             block_lse = lse[:, :, start:stop].contiguous()
             total = None
             for piece in pieces:
