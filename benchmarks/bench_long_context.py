@@ -19,6 +19,10 @@ with the policy gradient pushed through the head in the same pass), then ``loss.
   the ratios of each step to the dense step beside it, shown with their range. On a shared CPU one process can run
   30-50% slower than the next for the same step, so ratios between steps of different processes (an earlier version
   of this benchmark) were off by that much; beside each other in one process they agree to about 10%.
+- **phases** (``--phases``): the timing workers also time each phase of every step (`PHASES`: the learner pass, the
+  log-prob head and policy loss, SMD's dense teacher, the KL's pass over the vocabulary, the backward), the device
+  synchronised at each phase's end; a table gives each phase's median over the cell's median dense step, so SMD's
+  extra work reads as shares of a dense step.
 - **slope**: least-squares slope of log(peak) against log(length) over the lengths measured within
   ``--slope-range`` (default 4k..32k), per model, sweep, mode and layout (1 = linear, 2 = quadratic).
 
@@ -61,6 +65,7 @@ Usage::
     python benchmarks/bench_long_context.py --models tiny --lengths 1024 4096 8192 --in-process --json long.json
     python benchmarks/bench_long_context.py                     # the full grid: 1k-32k, tiny and 135m (hours)
     python benchmarks/bench_long_context.py --models 135m --sweeps prompt --modes dense smd --layouts shared_prefix
+    python benchmarks/bench_long_context.py --models 135m --sweeps completion --lengths 1024 --modes dense smd --phases
 """
 
 from __future__ import annotations
@@ -283,26 +288,68 @@ def build_model(name: str, dtype: torch.dtype, max_positions: int = 4096, device
     return model.train()
 
 
+class PhaseClock:
+    """Seconds per phase of learner steps (``--phases``): ``start()`` opens a step, ``mark(name)`` closes the phase
+    that ran since the last mark as ``name`` (device synchronised). As a phase owner (``phase_listeners``, what
+    `smd_loss_and_kl` reports its dense teacher to) it closes ``head`` when the teacher starts and ``teacher`` when it
+    ends. ``steps``: one ``{phase: seconds}`` per step."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.steps: list[dict[str, float]] = []
+        self.phase_listeners = [self._heard]
+        self._last = 0.0
+
+    def start(self) -> None:
+        C.synchronize(self.device)
+        self.steps.append({})
+        self._last = time.perf_counter()
+
+    def mark(self, name: str) -> None:
+        C.synchronize(self.device)
+        now = time.perf_counter()
+        self.steps[-1][name] = self.steps[-1].get(name, 0.0) + now - self._last
+        self._last = now
+
+    def _heard(self, phase: str, starting: bool) -> None:
+        self.mark("head" if starting else phase)
+
+
+PHASES = ("pass", "head", "teacher", "kl", "backward")
+"""The phases `grpo_learner_step` marks: the learner pass; the log-prob head and the policy loss (for smd also the
+policy loss's gradient with respect to the log-probs); SMD's dense no-grad teacher; the KL's pass over the vocabulary
+(the policy term's head gradient pushed with it); ``loss.backward()``."""
+
+
 def grpo_learner_step(
-    policy, rollout: Rollout, mode: str, layout: str, group: int, *, kl_coef: float, chunk_size: int
+    policy, rollout: Rollout, mode: str, layout: str, group: int, *, kl_coef: float, chunk_size: int,
+    clock: PhaseClock | None = None,
 ) -> torch.Tensor:
     """Forward and backward of `GRPOModule.training_step`'s loss on one on-policy batch (defaults: ``grpo`` loss,
-    epsilon 0.2, temperature 1, no reference); for ``smd`` the KL to the dense no-grad teacher is added."""
+    epsilon 0.2, temperature 1, no reference); for ``smd`` the KL to the dense no-grad teacher is added. With a
+    ``clock`` each of `PHASES` the step runs is timed."""
+    mark = clock.mark if clock is not None else lambda name: None
+    if clock is not None:
+        clock.start()
     rewards = (torch.arange(len(rollout)) % 3 == 0).float()  # mixed 0/1 within each group
     advantages = group_advantages(rewards, group)
     smd = mode == "smd"
     teacher = smd and kl_coef > 0
     learner = grpo_pass(policy, rollout, layout, shadow=smd, keep_prompt_kv=teacher)
+    mark("pass")
     with torch.set_grad_enabled(not teacher):  # smd: the policy term's gradient reaches the head in the KL's pass
         logprobs, _ = token_logprobs_and_entropy(learner.hidden, output_head(policy), rollout.completion_ids,
                                                  chunk_size=chunk_size)  # fmt: skip
     if teacher:
         logprobs.requires_grad_()
     loss = policy_loss(logprobs, logprobs.detach(), advantages, rollout.completion_mask, loss_type="grpo").loss
+    mark("head")
     if teacher:
         loss, _ = smd_loss_and_kl(policy, rollout, learner, rollout.completion_mask, loss, logprobs, kl_coef=kl_coef,
-                                  temperature=1.0, chunk_size=chunk_size)  # fmt: skip
+                                  temperature=1.0, chunk_size=chunk_size, phase_owner=clock)  # fmt: skip
+        mark("kl")
     loss.backward()
+    mark("backward")
     return loss.detach()
 
 
@@ -395,10 +442,10 @@ def _zero_grad(model) -> None:
 # ------------------------------------------------------------------------------------------------------ worker
 
 
-def _cell_setup(spec: dict[str, Any]) -> tuple[torch.device, Callable[[str], Rollout], Callable[[str, Rollout], None]]:
+def _cell_setup(spec: dict[str, Any]) -> tuple[torch.device, Callable[..., Rollout], Callable[..., None]]:
     """A worker's device, seeded model and step from ``spec`` (`cell_spec`): ``make(mode)`` builds the cell's rollout
-    for ``mode`` (dense: no shadow mask), ``step(mode, rollout)`` runs one step of ``spec["kind"]`` and clears the
-    gradients."""
+    for ``mode`` (dense: no shadow mask), ``step(mode, rollout, clock=None)`` runs one step of ``spec["kind"]`` (a
+    GRPO step's phases timed on ``clock``) and clears the gradients."""
     device = torch.device(spec["device"])
     C.apply_threads(spec["threads"], device)
     model = build_model(spec["model"], C.DTYPES[spec["dtype"]], spec["prompt_len"] + spec["new_tokens"], device)
@@ -410,10 +457,10 @@ def _cell_setup(spec: dict[str, Any]) -> tuple[torch.device, Callable[[str], Rol
         pattern = None if mode == "dense" else MaskPattern(**spec["pattern"])
         return synthetic_rollout(cfg, prompt_len, new_tokens, spec["num_prompts"], group, pattern).to(device)
 
-    def step(mode: str, rollout: Rollout) -> None:
+    def step(mode: str, rollout: Rollout, clock: PhaseClock | None = None) -> None:
         if kind == "grpo":
             grpo_learner_step(model, rollout, mode, spec["layout"], group, kl_coef=spec["kl_coef"],
-                              chunk_size=spec["chunk_size"])  # fmt: skip
+                              chunk_size=spec["chunk_size"], clock=clock)  # fmt: skip
         elif kind == "pass":
             issue_pass(model, rollout, spec["layout"], mode == "smd", spec["chunk_size"])
         else:  # "score": score(model, rollout, shadow=...) without gradient
@@ -455,7 +502,8 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
 def time_cell(spec: dict[str, Any]) -> dict[str, Any]:
     """The time of every mode of ``spec["modes"]`` in this one (fresh) process, in turns: each of ``spec["repeats"]``
     repeats runs every mode once (the order reversed every other repeat), so that each mode's step ``i`` ran beside
-    dense's step ``i`` in the same process under the same load. Returns ``{"times_s": {mode: [seconds, ...]}}``."""
+    dense's step ``i`` in the same process under the same load. Returns ``{"times_s": {mode: [seconds, ...]}}``, with
+    ``spec["phases"]`` also ``"phases_s": {mode: [{phase: seconds}, ...]}`` (`PhaseClock`), one per timed step."""
     device, make, step = _cell_setup(spec)
     modes, path = spec["modes"], spec.get("rollout_path")  # the issue table: one real rollout, two views
     rollouts = {mode: torch.load(path, weights_only=False).to(device) if path else make(mode) for mode in modes}
@@ -463,9 +511,13 @@ def time_cell(spec: dict[str, Any]) -> dict[str, Any]:
         _warm_up(make, step, mode, spec)
     if spec["set_allocator"]:
         use_allocator("timing")
-    steps = {mode: functools.partial(step, mode, rollouts[mode]) for mode in modes}
+    clocks = {mode: PhaseClock(device) if spec.get("phases") else None for mode in modes}
+    steps = {mode: functools.partial(step, mode, rollouts[mode], clocks[mode]) for mode in modes}
     timed = C.time_interleaved(steps, device, repeats=spec["repeats"], warmup=0, alternate=True)
-    return {"times_s": {mode: timed[mode]["times_s"] for mode in modes}}
+    result: dict[str, Any] = {"times_s": {mode: timed[mode]["times_s"] for mode in modes}}
+    if spec.get("phases"):
+        result["phases_s"] = {mode: clocks[mode].steps for mode in modes}
+    return result
 
 
 # ------------------------------------------------------------------------------------------------------ parent
@@ -547,6 +599,7 @@ def cell_spec(args: argparse.Namespace, model: str, mode: str, layout: str, prom
         "repeats": args.repeats, "pattern": vars(pattern), "kind": kind, "in_process": args.in_process,
         "gradient_checkpointing": args.gradient_checkpointing,
         "set_allocator": not args.quick,  # (not in a smoke run, which may share its process with tests)
+        "phases": args.phases,
         **extra,
     }  # fmt: skip
 
@@ -588,20 +641,23 @@ def with_times(
 
 def time_modes(
     args: argparse.Namespace, spec: dict[str, Any], modes: list[str], label: str
-) -> tuple[dict[str, list[float]], str | None]:
-    """``--rounds`` timing workers (`time_cell`) for ``modes`` of the cell ``spec``: every mode's step times, and the
-    status of the first worker that failed (None when all ran)."""
+) -> tuple[dict[str, list[float]], dict[str, list[dict[str, float]]], str | None]:
+    """``--rounds`` timing workers (`time_cell`) for ``modes`` of the cell ``spec``: every mode's step times, their
+    phases (with ``spec["phases"]``; else empty lists), and the status of the first worker that failed (None when all
+    ran)."""
     times: dict[str, list[float]] = {mode: [] for mode in modes}
+    phases: dict[str, list[dict[str, float]]] = {mode: [] for mode in modes}
     for turn in range(args.rounds if modes else 0):
         result = run_worker({**spec, "modes": modes}, memory_limit(args), args.max_seconds)
         if result["status"] != "ok":
-            return times, result["status"]
+            return times, phases, result["status"]
         for mode in modes:
             times[mode] += result["times_s"][mode]
+            phases[mode] += result.get("phases_s", {}).get(mode, [])
         print(f"  {label} times (worker {turn + 1}/{args.rounds}): "
               + ", ".join(f"{m} {statistics.median(t):.3g} s" for m, t in result["times_s"].items()),
               file=sys.stderr, flush=True)  # fmt: skip
-    return times, None
+    return times, phases, None
 
 
 def dense_times(times: dict[str, list[float]], mode: str) -> list[float] | None:
@@ -628,9 +684,11 @@ def run_grid(args: argparse.Namespace, pattern: MaskPattern, payload: dict[str, 
                               file=sys.stderr, flush=True)  # fmt: skip
                     timed = [mode for mode in args.modes if rows[mode]["status"] == "ok"]
                     spec = cell_spec(args, model, "dense", layout, prompt_len, new_tokens, pattern)
-                    times, failed = time_modes(args, spec, timed, f"{model} {sweep} {length} {layout}")
+                    times, phases, failed = time_modes(args, spec, timed, f"{model} {sweep} {length} {layout}")
                     for mode in args.modes:
                         timed_row = with_times(rows[mode], times.get(mode, []), dense_times(times, mode), failed)
+                        if phases.get(mode):
+                            timed_row["phases_s"] = phases[mode]
                         row = {"model": model, "sweep": sweep, "length": length, "prompt_len": prompt_len,
                                "new_tokens": new_tokens, "mode": mode, "layout": layout, **timed_row}  # fmt: skip
                         series[(mode, layout)].append(row)
@@ -700,7 +758,34 @@ def grid_tables(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
                     lines.append([model, sweep, layout, mode, C.fmt(value, ".2f"), lengths])
     out.append(f"### Memory against length: log-log slope of the peak over {low}..{high} (1 = linear)\n")
     out.append(C.markdown_table(["model", "sweep", "layout", "mode", "slope", "lengths used"], lines))
+    if args.phases:
+        out += ["", phase_table(results, index)]
     return "\n".join(out)
+
+
+def phase_table(results: list[dict[str, Any]], index: dict[tuple, dict[str, Any]]) -> str:
+    """``--phases``: each mode's median seconds per phase of the step (`PHASES`), and that over the median dense step
+    of the same cell."""
+    lines = []
+    for row in results:
+        if not row.get("phases_s"):
+            continue
+        dense = index.get((row["model"], row["sweep"], row["length"], row["layout"], "dense"))
+        base = dense.get("median_s") if dense else None
+        cells = []
+        for phase in (*PHASES, None):
+            seconds = [sum(step.values()) if phase is None else step.get(phase) for step in row["phases_s"]]
+            seconds = [value for value in seconds if value is not None]
+            if not seconds:
+                cells.append("")
+                continue
+            median = statistics.median(seconds)
+            cells.append(f"{median:.3g} s" + (f" ({median / base:.2f})" if base else ""))
+        lines.append([row["model"], row["sweep"], row["length"], row["layout"], row["mode"], *cells])
+    return (
+        "### Where the step's time goes (--phases): median seconds per phase (over the median dense step of the "
+        "cell)\n\n" + C.markdown_table(["model", "sweep", "length", "layout", "mode", *PHASES, "sum"], lines)
+    )
 
 
 def calibration_text(calibration: dict[str, Any], pattern: MaskPattern) -> str:
@@ -730,7 +815,7 @@ def issue_rows(args: argparse.Namespace, spec: dict[str, Any], labels: dict[str,
     for mode in ("dense", "smd"):
         rows[mode] = run_worker({**spec, "mode": mode}, memory_limit(args), args.max_seconds)
     label = f"issue: {labels['kind']} {labels['layout']} {labels['new_tokens']}"
-    times, failed = time_modes(args, spec, [mode for mode in rows if rows[mode]["status"] == "ok"], label)
+    times, _, failed = time_modes(args, spec, [mode for mode in rows if rows[mode]["status"] == "ok"], label)
     out = [{**labels, "view": "shadow" if mode == "smd" else "dense",
             **with_times(row, times.get(mode, []), dense_times(times, mode), failed)} for mode, row in rows.items()]
     for row in out:
@@ -840,6 +925,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--issue-score-new-tokens", type=int, default=256)
     parser.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     C.add_output_flags(parser)
+    parser.add_argument("--phases", action="store_true",
+                        help="also time each phase of the step (device synchronised at each phase's end)")
     parser.add_argument("--gradient-checkpointing", action="store_true",
                         help="activation checkpointing per decoder layer, as GRPOModule(gradient_checkpointing=True)")
     C.add_threads_flag(parser, default=None)
@@ -863,6 +950,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         args.threads = 2 if args.issue_table else 1
     if args.rounds < 1 or args.repeats < 1:
         raise SystemExit(f"--rounds and --repeats must be >= 1, got {args.rounds} and {args.repeats}")
+    if args.phases and args.issue_table:
+        raise SystemExit("--phases times the phases of the grid's GRPO steps; --issue-table times single passes")
     if args.num_samples < 2:
         raise SystemExit(f"--num-samples must be >= 2 (a GRPO group), got {args.num_samples}")
     device = C.resolve_device(args.device)

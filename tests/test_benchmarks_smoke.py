@@ -223,6 +223,23 @@ def test_long_context_times_pair_each_step_with_dense(run_all, tmp_path):
         bench.main(["--quick", "--rounds", "0", "--json", str(out), "--markdown", str(tmp_path / "lc.md")])
 
 
+def test_long_context_phases_add_up_to_at_most_each_step(run_all, tmp_path):
+    bench = importlib.import_module("bench_long_context")  # on the path while the run_all fixture holds it
+    out, markdown = tmp_path / "lc.json", tmp_path / "lc.md"
+    bench.main(["--quick", "--phases", "--repeats", "2", "--sweeps", "completion", "--lengths", "64", "--modes",
+                "dense", "smd", "--layouts", "shared_prefix", "--json", str(out), "--markdown", str(markdown)])
+    rows = {r["mode"]: r for r in json.loads(out.read_text())["results"]}
+    expected = {"dense": ["pass", "head", "backward"], "smd": ["pass", "head", "teacher", "kl", "backward"]}
+    for mode, row in rows.items():
+        assert len(row["phases_s"]) == len(row["times_s"]) == 2
+        for phases, seconds in zip(row["phases_s"], row["times_s"], strict=True):
+            assert list(phases) == expected[mode] and min(phases.values()) > 0
+            assert sum(phases.values()) <= seconds  # the step also clears the gradients
+    assert "Where the step's time goes" in markdown.read_text()
+    with pytest.raises(SystemExit, match="--phases"):
+        bench.main(["--quick", "--phases", "--issue-table", "--json", str(out), "--markdown", str(markdown)])
+
+
 @pytest.mark.slow
 def test_flex_blocks_benchmark(run_all, tmp_path):
     """`bench_flex_blocks.py` at a small size (compiles FlexAttention on the CPU: about a minute): the shadow view
