@@ -13,12 +13,13 @@ with the policy gradient pushed through the head in the same pass), then ``loss.
   resident size before it (model, rollout and inputs already built), under glibc's 64 KiB mmap threshold (freed
   tensors go back to the OS); on CUDA ``torch.cuda.max_memory_allocated`` above ``memory_allocated`` before the step.
 - **time**: one more fresh subprocess per cell (``--rounds`` of them) builds the model once and every mode's rollout,
-  warms each mode up, then runs ``--repeats`` repeats of one step per mode in turns (the order reversed every other
-  repeat), under glibc's allocator as a training process has it (32 MiB threshold: the 64 KiB one's page faults would
-  tax block-heavy code, SMD's most). A mode's time is the median of its steps; its ratio to dense is the median of
-  the ratios of each step to the dense step beside it, shown with their range. On a shared CPU one process can run
-  30-50% slower than the next for the same step, so ratios between steps of different processes (an earlier version
-  of this benchmark) were off by that much; beside each other in one process they agree to about 10%.
+  warms each mode up (a small step each, then one full-size step of the first mode), then runs ``--repeats`` repeats
+  of one step per mode in turns (the order reversed every other repeat), under glibc's allocator as a training
+  process has it (32 MiB threshold: the 64 KiB one's page faults would tax block-heavy code, SMD's most). A mode's
+  time is the median of its steps; its ratio to dense is the median of the ratios of each step to the dense step
+  beside it, shown with their range. On a shared CPU one process can run 30-50% slower than the next for the same
+  step, so ratios between steps of different processes (an earlier version of this benchmark) were off by that much;
+  beside each other in one process they agree to about 10%.
 - **phases** (``--phases``): the timing workers also time each phase of every step (`PHASES`: the learner pass, the
   log-prob head and policy loss, SMD's dense teacher, the KL's pass over the vocabulary, the backward), the device
   synchronised at each phase's end; a table gives each phase's median over the cell's median dense step, so SMD's
@@ -502,7 +503,8 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
 def time_cell(spec: dict[str, Any]) -> dict[str, Any]:
     """The time of every mode of ``spec["modes"]`` in this one (fresh) process, in turns: each of ``spec["repeats"]``
     repeats runs every mode once (the order reversed every other repeat), so that each mode's step ``i`` ran beside
-    dense's step ``i`` in the same process under the same load. Returns ``{"times_s": {mode: [seconds, ...]}}``, with
+    dense's step ``i`` in the same process under the same load; before them, a small step per mode and one full-size
+    step of the first mode, untimed. Returns ``{"times_s": {mode: [seconds, ...]}}``, with
     ``spec["phases"]`` also ``"phases_s": {mode: [{phase: seconds}, ...]}`` (`PhaseClock`), one per timed step."""
     device, make, step = _cell_setup(spec)
     modes, path = spec["modes"], spec.get("rollout_path")  # the issue table: one real rollout, two views
@@ -511,6 +513,9 @@ def time_cell(spec: dict[str, Any]) -> dict[str, Any]:
         _warm_up(make, step, mode, spec)
     if spec["set_allocator"]:
         use_allocator("timing")
+    # One untimed step at full size: the heap's first growth to a step's size (page faults a training process pays
+    # once) would otherwise land on whichever mode runs first (the 135M shape's first dense step: 33 s, then 11-13 s).
+    step(modes[0], rollouts[modes[0]])
     clocks = {mode: PhaseClock(device) if spec.get("phases") else None for mode in modes}
     steps = {mode: functools.partial(step, mode, rollouts[mode], clocks[mode]) for mode in modes}
     timed = C.time_interleaved(steps, device, repeats=spec["repeats"], warmup=0, alternate=True)

@@ -240,6 +240,25 @@ def test_long_context_phases_add_up_to_at_most_each_step(run_all, tmp_path):
         bench.main(["--quick", "--phases", "--issue-table", "--json", str(out), "--markdown", str(markdown)])
 
 
+def test_long_context_timing_worker_takes_one_full_step_before_timing(run_all, tmp_path, monkeypatch):
+    bench = importlib.import_module("bench_long_context")  # on the path while the run_all fixture holds it
+    setup, workers = bench._cell_setup, []
+
+    def spy(spec):
+        device, make, step = setup(spec)
+        calls = []
+        workers.append(calls)
+        return device, make, lambda mode, rollout, *rest: calls.append((mode, rollout.completion_ids.shape[1])) or step(
+            mode, rollout, *rest)
+
+    monkeypatch.setattr(bench, "_cell_setup", spy)
+    bench.main(["--quick", "--sweeps", "completion", "--lengths", "64", "--modes", "dense", "smd", "--layouts",
+                "per_row", "--json", str(tmp_path / "lc.json"), "--markdown", str(tmp_path / "lc.md")])
+    timing = workers[-1]  # the memory workers (one per mode) come first
+    small = min(length for _, length in timing)
+    assert timing == [("dense", small), ("smd", small), ("dense", 64), ("dense", 64), ("smd", 64)]
+
+
 @pytest.mark.slow
 def test_flex_blocks_benchmark(run_all, tmp_path):
     """`bench_flex_blocks.py` at a small size (compiles FlexAttention on the CPU: about a minute): the shadow view
