@@ -27,6 +27,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -36,6 +37,8 @@ import pytest
 import torch
 from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from tqdm import tqdm
+from tqdm.std import TqdmDefaultWriteLock
 
 from lit_smd.checkpoint_io import AtomicCheckpointIO, is_complete_checkpoint
 from lit_smd.datamodules import (
@@ -57,8 +60,24 @@ OURS = re.compile(r"\.lit_smd-[a-z]+-[0-9a-f]{6}-\d+-[0-9a-f]{8}$")  # lit_smd.a
 # ------------------------------------------------------------------------------------------------ kill harness
 
 
+def _own_tqdm_locks() -> None:
+    """Give this forked child progress-bar locks of its own.
+
+    tqdm's write lock holds a multiprocessing lock that a fork shares with the parent: a child killed inside a
+    progress bar (loading or saving a model) would leave it held, and the parent's next bar would wait forever (the
+    full suite once hung in `load_causal_lm` that way).
+    """
+    classes = [tqdm]
+    while classes:
+        cls = classes.pop()
+        classes += cls.__subclasses__()
+        if cls is tqdm or "_lock" in vars(cls):
+            cls.set_lock(threading.RLock())
+
+
 def _child(work: Callable[..., None], ready: mp.synchronize.Event, args: tuple) -> None:
     try:
+        _own_tqdm_locks()
         work(ready, *args)
     finally:
         os._exit(3)  # never run the parent's (pytest's) exit handlers in the fork
@@ -348,6 +367,20 @@ SLOW = {
     "save-tmpdir-same-fs": 8, "save-tmpdir-other-fs": 8, "fit": 6, "cache": 4, "cache-two-renames": 4,
     "cache-mid-swap": 3, "export": 6,
 }  # fmt: skip
+
+
+def _hold_tqdm_lock(ready: mp.synchronize.Event) -> None:
+    with tqdm.get_lock():
+        ready.set()
+        time.sleep(60)
+
+
+def test_a_child_killed_holding_a_progress_bar_lock_leaves_it_free():
+    tqdm.get_lock()  # the parent's multiprocessing lock exists before the fork, as after any progress bar
+    kill_during(_hold_tqdm_lock, (), delay=0.1)
+    shared = TqdmDefaultWriteLock.mp_lock
+    assert shared is not None and shared.acquire(timeout=5)
+    shared.release()
 
 
 def test_fault_injection_fast_subset(tmp_path):
