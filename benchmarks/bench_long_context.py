@@ -8,12 +8,13 @@ batch, called through the same functions (`lit_smd.modules._grpo_smd.grpo_pass`,
 `lit_smd.modules._grpo_smd.smd_loss_and_kl`, the KL to the no-grad dense teacher `lit_smd.learner.dense_hidden_states`
 with the policy gradient pushed through the head in the same pass), then ``loss.backward()``. No optimizer step.
 
-- **peak MiB**: per mode, a **fresh subprocess** builds the seeded model and the rollout, runs a small warm-up step,
-  then one step: the resident high-water mark during it (``VmHWM``, reset through ``/proc/self/clear_refs``) minus the
-  resident size before it (model, rollout and inputs already built), under glibc's 64 KiB mmap threshold (freed
-  tensors go back to the OS); on CUDA ``torch.cuda.max_memory_allocated`` above ``memory_allocated`` before the step.
+- **peak MiB**: per mode, a **fresh subprocess** builds the seeded model and the rollout, runs a small warm-up step
+  (in bfloat16 on the CPU also the measured step once: `keeps_kernels_per_shape`), then one step: the resident
+  high-water mark during it (``VmHWM``, reset through ``/proc/self/clear_refs``) minus the resident size before it
+  (model, rollout and inputs already built), under glibc's 64 KiB mmap threshold (freed tensors go back to the OS); on
+  CUDA ``torch.cuda.max_memory_allocated`` above ``memory_allocated`` before the step.
 - **time**: one more fresh subprocess per cell (``--rounds`` of them) builds the model once and every mode's rollout,
-  warms each mode up (a small step each, then one full-size step of the first mode), then runs ``--repeats`` repeats
+  warms each mode up (a small step, then a full-size step, each mode), then runs ``--repeats`` repeats
   of one step per mode in turns (the order reversed every other repeat), under glibc's allocator as a training
   process has it (32 MiB threshold: the 64 KiB one's page faults would tax block-heavy code, SMD's most). A mode's
   time is the median of its steps; its ratio to dense is the median of the ratios of each step to the dense step
@@ -479,9 +480,21 @@ def _warm_up(
     step(mode, make(mode, min(spec["prompt_len"], 64), min(spec["new_tokens"], 16)))
 
 
+def keeps_kernels_per_shape(spec: dict[str, Any]) -> bool:
+    """Whether the cell's attention kernel keeps memory per shape it has run: torch's CPU flash attention in bfloat16
+    (on CPUs with AMX it JIT-compiles a oneDNN BRGEMM kernel per key-length tail and keeps it with its scratch
+    buffers: measured ~1.6 MiB per tail in the backward, ~0.65 GiB once every tail of 512 has run)."""
+    return spec["device"] == "cpu" and spec["dtype"] == "bfloat16"
+
+
 def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
     """One cell's mode's peak, in this (fresh) process: build, warm up, one step. ``spec`` is what `cell_spec`
-    makes."""
+    makes.
+
+    Where the kernels keep memory per shape (`keeps_kernels_per_shape`) the warm-up also runs the measured step once:
+    what the kernels keep is paid once per process and shape, not per step (a training process that has run a few
+    steps holds it whatever the step), so the measured step is a second run of the same shapes; ``kept_bytes`` is
+    what the process kept from that full-size warm-up (resident after it, collected, minus before it)."""
     device, make, step = _cell_setup(spec)
     mode = spec["mode"]
     _warm_up(make, step, mode, spec)
@@ -493,18 +506,24 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
     probe = Probe(device)
     if spec["set_allocator"]:
         use_allocator("memory")  # freed blocks leave the resident size
+    kept = None
+    if keeps_kernels_per_shape(spec):
+        before = _proc_kib("VmRSS") * 1024
+        step(mode, rollout)
+        gc.collect()
+        kept = _proc_kib("VmRSS") * 1024 - before
     probe.start()
     base = probe.base
     step(mode, rollout)
     # base: resident (CPU) or allocated (CUDA) before the step
-    return {"peak_bytes": probe.rise(), "visible": visible, "base_bytes": base}
+    return {"peak_bytes": probe.rise(), "visible": visible, "base_bytes": base, "kept_bytes": kept}
 
 
 def time_cell(spec: dict[str, Any]) -> dict[str, Any]:
     """The time of every mode of ``spec["modes"]`` in this one (fresh) process, in turns: each of ``spec["repeats"]``
     repeats runs every mode once (the order reversed every other repeat), so that each mode's step ``i`` ran beside
-    dense's step ``i`` in the same process under the same load; before them, a small step per mode and one full-size
-    step of the first mode, untimed. Returns ``{"times_s": {mode: [seconds, ...]}}``, with
+    dense's step ``i`` in the same process under the same load; before them, a small step and one full-size step per
+    mode, untimed. Returns ``{"times_s": {mode: [seconds, ...]}}``, with
     ``spec["phases"]`` also ``"phases_s": {mode: [{phase: seconds}, ...]}`` (`PhaseClock`), one per timed step."""
     device, make, step = _cell_setup(spec)
     modes, path = spec["modes"], spec.get("rollout_path")  # the issue table: one real rollout, two views
@@ -513,9 +532,12 @@ def time_cell(spec: dict[str, Any]) -> dict[str, Any]:
         _warm_up(make, step, mode, spec)
     if spec["set_allocator"]:
         use_allocator("timing")
-    # One untimed step at full size: the heap's first growth to a step's size (page faults a training process pays
-    # once) would otherwise land on whichever mode runs first (the 135M shape's first dense step: 33 s, then 11-13 s).
-    step(modes[0], rollouts[modes[0]])
+    # One untimed step per mode at full size: the heap's first growth to a step's size (page faults a training process
+    # pays once) would otherwise land on whichever mode runs first (the 135M shape's first dense step: 33 s, then
+    # 11-13 s), and a reduced-precision CPU kernel's compilations per shape (`keeps_kernels_per_shape`) on each
+    # mode's first step (SMD's blocks have more shapes than dense's).
+    for mode in modes:
+        step(mode, rollouts[mode])
     clocks = {mode: PhaseClock(device) if spec.get("phases") else None for mode in modes}
     steps = {mode: functools.partial(step, mode, rollouts[mode], clocks[mode]) for mode in modes}
     timed = C.time_interleaved(steps, device, repeats=spec["repeats"], warmup=0, alternate=True)
@@ -595,12 +617,41 @@ def predict_peak(history: list[dict[str, Any]], length: int) -> int | None:
     return int(base + max(y1, 1) * (length / x1) ** exponent)
 
 
+def kept_note(results: list[dict[str, Any]]) -> str:
+    """The header's sentence on what the full-size warm-up kept (`run_cell`), or "" when no cell ran one."""
+    kept = {row["mode"]: [] for row in results if row.get("kept_bytes") is not None}
+    for row in results:
+        if row.get("kept_bytes") is not None:
+            kept[row["mode"]].append(row["kept_bytes"] / 2**20)
+    if not kept:
+        return ""
+    spans = ", ".join(f"{mode} {min(v):.0f}-{max(v):.0f} MiB" for mode, v in kept.items())
+    return (
+        " bfloat16 on the CPU: torch's flash attention keeps a compiled kernel per key-length tail, once per process, "
+        f"so each peak is the second run of its step's shapes; the first run kept {spans} in the process."
+    )
+
+
+def logits_chunk(args: argparse.Namespace, model: str) -> int:
+    """``--chunk-size``, or by default 1024 rows on CUDA and, on the CPU, the most rows (a power of two, at most 1024)
+    whose ``[rows, vocab]`` float32 buffer stays within glibc's 32 MiB heap threshold: a larger buffer is mapped anew
+    at every chunk and page-faulted in full (on this benchmark's virtual machine 0.1-0.2 s per 192 MiB buffer, which
+    put the 135M shape's head and KL at 7-13 s per step for 2-4 s of work). A GPU's caching allocator pays no such
+    cost; on the CPU the chunk is what ``GRPOModule(logits_chunk_size=...)`` should be (`docs/troubleshooting.md`)."""
+    if args.chunk_size is not None:
+        return args.chunk_size
+    if args.device != "cpu":
+        return 1024
+    rows = TIMING_MMAP_THRESHOLD // (4 * MODELS[model]["vocab_size"])
+    return 1 << min(10, max(0, rows.bit_length() - 1))
+
+
 def cell_spec(args: argparse.Namespace, model: str, mode: str, layout: str, prompt_len: int, new_tokens: int,
               pattern: MaskPattern, kind: str = "grpo", **extra: Any) -> dict[str, Any]:  # fmt: skip
     return {
         "model": model, "mode": mode, "layout": layout, "prompt_len": prompt_len, "new_tokens": new_tokens,
         "num_prompts": args.num_prompts, "num_samples": args.num_samples, "kl_coef": args.kl_coef,
-        "chunk_size": args.chunk_size, "dtype": args.dtype, "device": args.device, "threads": args.threads,
+        "chunk_size": logits_chunk(args, model), "dtype": args.dtype, "device": args.device, "threads": args.threads,
         "repeats": args.repeats, "pattern": vars(pattern), "kind": kind, "in_process": args.in_process,
         "gradient_checkpointing": args.gradient_checkpointing,
         "set_allocator": not args.quick,  # (not in a smoke run, which may share its process with tests)
@@ -732,7 +783,8 @@ def grid_tables(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             out.append(
                 f"### {model} ({spec['family']}, {spec['num_layers']} layers, hidden {spec['hidden_size']}, "
                 f"{spec['num_heads']}/{spec['num_kv_heads']} heads, vocab {spec['vocab_size']}): {sweep} length, "
-                f"{fixed} {args.short} tokens, {args.num_prompts} prompt(s) x {args.num_samples} samples\n"
+                f"{fixed} {args.short} tokens, {args.num_prompts} prompt(s) x {args.num_samples} samples, logits in "
+                f"chunks of {logits_chunk(args, model)} rows\n"
             )
             headers = ["length", "layout", "mask visible"] + [f"{mode} peak" for mode in args.modes] + [
                 f"{mode} time" for mode in args.modes]  # fmt: skip
@@ -900,7 +952,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-prompts", type=int, default=1)
     parser.add_argument("--num-samples", type=int, default=2, help="completions per prompt (the GRPO group)")
     parser.add_argument("--kl-coef", type=float, default=0.1, help="SMD's lambda")
-    parser.add_argument("--chunk-size", type=int, default=1024, help="logits_chunk_size of the head and the KL")
+    parser.add_argument("--chunk-size", type=int, default=None,
+                        help="logits_chunk_size of the head and the KL (default: 1024 on CUDA; on the CPU the most "
+                        "rows whose float32 [rows, vocab] buffer stays under 32 MiB, at most 1024)")
     parser.add_argument("--dtype", choices=list(C.DTYPES), default="float32")
     parser.add_argument("--repeats", type=int, default=1, help="timed steps per mode in each timing worker (the modes "
                         "taking turns)")
@@ -996,7 +1050,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"timing worker(s), one per cell, the modes taking turns; threshold 32 MiB, as a training process "
                 f"has it). (x) = against dense of the same length and layout, same run; for time the median (and "
                 f"range) of the ratios of each step to the dense step beside it. Times on a shared CPU are "
-                f"indicative.\n\n"
+                f"indicative.{kept_note(payload['results'])}\n\n"
                 + grid_tables(payload["results"], args)
             )
     except KeyboardInterrupt:

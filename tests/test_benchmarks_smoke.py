@@ -4,6 +4,7 @@ The figures are meaningless at these sizes; the point is that the scripts keep r
 well-formed JSON. Each benchmark's ``main(argv)`` runs in this process (one import of torch and transformers).
 """
 
+import argparse
 import importlib
 import json
 import sys
@@ -240,8 +241,8 @@ def test_long_context_phases_add_up_to_at_most_each_step(run_all, tmp_path):
         bench.main(["--quick", "--phases", "--issue-table", "--json", str(out), "--markdown", str(markdown)])
 
 
-def test_long_context_timing_worker_takes_one_full_step_before_timing(run_all, tmp_path, monkeypatch):
-    bench = importlib.import_module("bench_long_context")  # on the path while the run_all fixture holds it
+def _spy_on_worker_steps(bench, monkeypatch) -> list[list[tuple[str, int]]]:
+    """Record ``(mode, completion length)`` of every step each worker of ``bench_long_context`` runs."""
     setup, workers = bench._cell_setup, []
 
     def spy(spec):
@@ -252,11 +253,34 @@ def test_long_context_timing_worker_takes_one_full_step_before_timing(run_all, t
             mode, rollout, *rest)
 
     monkeypatch.setattr(bench, "_cell_setup", spy)
+    return workers
+
+
+def test_long_context_timing_worker_takes_one_full_step_per_mode_before_timing(run_all, tmp_path, monkeypatch):
+    bench = importlib.import_module("bench_long_context")  # on the path while the run_all fixture holds it
+    workers = _spy_on_worker_steps(bench, monkeypatch)
     bench.main(["--quick", "--sweeps", "completion", "--lengths", "64", "--modes", "dense", "smd", "--layouts",
                 "per_row", "--json", str(tmp_path / "lc.json"), "--markdown", str(tmp_path / "lc.md")])
-    timing = workers[-1]  # the memory workers (one per mode) come first
+    memory, timing = workers[:2], workers[-1]  # the memory workers (one per mode) come first
     small = min(length for _, length in timing)
-    assert timing == [("dense", small), ("smd", small), ("dense", 64), ("dense", 64), ("smd", 64)]
+    assert timing == [("dense", small), ("smd", small), ("dense", 64), ("smd", 64), ("dense", 64), ("smd", 64)]
+    assert memory == [[("dense", small), ("dense", 64)], [("smd", small), ("smd", 64)]]  # float32: one measured step
+
+
+def test_long_context_bfloat16_peak_is_a_second_run_of_the_step(run_all, tmp_path, monkeypatch):
+    """In bfloat16 on the CPU torch's flash attention keeps a compiled kernel per key-length tail, so the memory
+    worker runs the measured step once before measuring it and reports what that first run kept."""
+    bench = importlib.import_module("bench_long_context")
+    workers = _spy_on_worker_steps(bench, monkeypatch)
+    out, markdown = tmp_path / "lc.json", tmp_path / "lc.md"
+    bench.main(["--quick", "--dtype", "bfloat16", "--sweeps", "completion", "--lengths", "64", "--modes", "dense",
+                "smd", "--layouts", "shared_prefix", "--json", str(out), "--markdown", str(markdown)])
+    small = workers[0][0][1]
+    assert workers[:2] == [[("dense", small), ("dense", 64), ("dense", 64)], [("smd", small), ("smd", 64), ("smd", 64)]]
+    rows = json.loads(out.read_text())["results"]
+    assert {row["mode"] for row in rows} == {"dense", "smd"}
+    assert all(isinstance(row["kept_bytes"], int) for row in rows)
+    assert "the first run kept dense" in markdown.read_text()
 
 
 @pytest.mark.slow
@@ -283,3 +307,13 @@ def test_flex_blocks_benchmark(run_all, tmp_path):
             assert kept["blocks"] < computed["blocks"] and kept["median_s"] > 0 < computed["median_s"]
     with pytest.raises(ValueError, match="--teacher"):
         bench.main(["--device", "cpu", "--layout", "per_row", "--teacher"])
+
+
+def test_long_context_default_logits_chunk_keeps_cpu_buffers_on_the_heap(run_all):
+    bench = importlib.import_module("bench_long_context")
+    cpu, cuda = argparse.Namespace(chunk_size=None, device="cpu"), argparse.Namespace(chunk_size=None, device="cuda")
+    assert bench.logits_chunk(cpu, "tiny") == 1024  # 1 MiB buffers: the 1024-row cap
+    assert bench.logits_chunk(cpu, "135m") == 128  # 128 x 49152 x 4 B = 24 MiB <= 32 MiB < 48 MiB at 256 rows
+    assert 128 * 49152 * 4 <= bench.TIMING_MMAP_THRESHOLD < 256 * 49152 * 4
+    assert bench.logits_chunk(cuda, "135m") == 1024
+    assert bench.logits_chunk(argparse.Namespace(chunk_size=7, device="cpu"), "135m") == 7  # the flag wins
