@@ -95,7 +95,7 @@ import torch
 from lit_smd.kv import NEVER, ShadowMask
 from lit_smd.learner import learner_hidden_states, score
 from lit_smd.losses import group_advantages, policy_loss, token_logprobs_and_entropy
-from lit_smd.losses.head import output_head
+from lit_smd.losses.head import logits_chunk_rows, output_head
 from lit_smd.modules._grpo_smd import grpo_pass, smd_loss_and_kl
 from lit_smd.rollout import Rollout, generate
 
@@ -633,17 +633,12 @@ def kept_note(results: list[dict[str, Any]]) -> str:
 
 
 def logits_chunk(args: argparse.Namespace, model: str) -> int:
-    """``--chunk-size``, or by default 1024 rows on CUDA and, on the CPU, the most rows (a power of two, at most 1024)
-    whose ``[rows, vocab]`` float32 buffer stays within glibc's 32 MiB heap threshold: a larger buffer is mapped anew
-    at every chunk and page-faulted in full (on this benchmark's virtual machine 0.1-0.2 s per 192 MiB buffer, which
-    put the 135M shape's head and KL at 7-13 s per step for 2-4 s of work). A GPU's caching allocator pays no such
-    cost; on the CPU the chunk is what ``GRPOModule(logits_chunk_size=...)`` should be (`docs/troubleshooting.md`)."""
-    if args.chunk_size is not None:
-        return args.chunk_size
-    if args.device != "cpu":
-        return 1024
-    rows = TIMING_MMAP_THRESHOLD // (4 * MODELS[model]["vocab_size"])
-    return 1 << min(10, max(0, rows.bit_length() - 1))
+    """``--chunk-size``, or the modules' default for the model's vocabulary on ``--device``
+    (`lit_smd.losses.head.logits_chunk_rows`: 1024 rows on CUDA; on the CPU the most rows whose float32 buffer stays
+    within glibc's 32 MiB heap threshold, as a larger one is mapped and page-faulted anew at every chunk, which on this
+    benchmark's virtual machine cost 0.1-0.2 s per 192 MiB buffer and put the 135M shape's head and KL at 7-13 s per
+    step for 2-4 s of work)."""
+    return logits_chunk_rows(args.chunk_size, MODELS[model]["vocab_size"], args.device)
 
 
 def cell_spec(args: argparse.Namespace, model: str, mode: str, layout: str, prompt_len: int, new_tokens: int,
@@ -953,8 +948,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--num-samples", type=int, default=2, help="completions per prompt (the GRPO group)")
     parser.add_argument("--kl-coef", type=float, default=0.1, help="SMD's lambda")
     parser.add_argument("--chunk-size", type=int, default=None,
-                        help="logits_chunk_size of the head and the KL (default: 1024 on CUDA; on the CPU the most "
-                        "rows whose float32 [rows, vocab] buffer stays under 32 MiB, at most 1024)")
+                        help="logits_chunk_size of the head and the KL (default: the modules' default, 1024 on CUDA; "
+                        "on the CPU the most rows whose float32 [rows, vocab] buffer stays under 32 MiB, at most 1024)")
     parser.add_argument("--dtype", choices=list(C.DTYPES), default="float32")
     parser.add_argument("--repeats", type=int, default=1, help="timed steps per mode in each timing worker (the modes "
                         "taking turns)")

@@ -286,6 +286,18 @@ def _describe_nonfinite(step: int, parts: list[str], any_part: bool, grad_names:
     return f"non-finite values at global step {step}: {'; '.join(causes)}"
 
 
+def check_logits_chunk_size(logits_chunk_size: object) -> None:
+    """Refuse a ``logits_chunk_size`` that is neither an integer >= 1 nor None (by device and vocabulary:
+    `lit_smd.losses.head.logits_chunk_rows`)."""
+    if logits_chunk_size is None:
+        return
+    if isinstance(logits_chunk_size, bool) or not isinstance(logits_chunk_size, int) or logits_chunk_size < 1:
+        raise ValueError(
+            f"logits_chunk_size must be an integer >= 1, or None for the default by device (1024 rows off the CPU; "
+            f"on the CPU as many as keep a [rows, vocab] float32 buffer within 32 MiB), got {logits_chunk_size!r}"
+        )
+
+
 def check_tokenizer_fits(model: PreTrainedModel, datamodule: object, parameter: str) -> None:
     """Raise when the DataModule's ``tokenizer`` has more tokens than ``model`` has output ids.
 

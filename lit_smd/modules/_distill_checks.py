@@ -14,7 +14,7 @@ from transformers import PreTrainedModel
 from lit_smd.datamodules.limits import rollout_length_limit
 from lit_smd.datamodules.teacher_cache import CacheMetadata, tokenizer_fingerprint
 from lit_smd.models import check_quantization, load_tokenizer
-from lit_smd.modules._common import check_model_args
+from lit_smd.modules._common import check_logits_chunk_size, check_model_args
 
 
 def check_distill_args(
@@ -30,7 +30,7 @@ def check_distill_args(
     tail: str,
     max_new_tokens: int,
     teacher_quantization: str | None,
-    logits_chunk_size: int,
+    logits_chunk_size: int | None,
     model_dtype: str,
 ) -> None:
     """Validate `DistillModule`'s constructor arguments (see its docstring for the valid values).
@@ -58,8 +58,7 @@ def check_distill_args(
         raise ValueError(f"tail must be 'renormalize' or 'bucket', got {tail!r}")
     if isinstance(max_new_tokens, bool) or not isinstance(max_new_tokens, int) or max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be an integer >= 1, got {max_new_tokens!r}")
-    if logits_chunk_size < 1:
-        raise ValueError(f"logits_chunk_size must be >= 1, got {logits_chunk_size}")
+    check_logits_chunk_size(logits_chunk_size)
     if estimator == "sampled" and prefix_source != "student":
         raise ValueError(
             f"estimator='sampled' needs tokens sampled from the student: set prefix_source='student' (got "

@@ -13,7 +13,7 @@ from lit_smd.losses.grpo import LossType, ScaleRewards
 from lit_smd.losses.rollout_correction import RolloutCorrection
 from lit_smd.losses.sparse_rl import SparseRLConfig
 from lit_smd.models import check_quantization
-from lit_smd.modules._common import check_model_args
+from lit_smd.modules._common import check_logits_chunk_size, check_model_args
 from lit_smd.rollout import Rollout
 
 
@@ -33,7 +33,7 @@ def check_grpo_args(
     kl_stop_gradient: str,
     sparse_rl: object,
     rollout_correction: object,
-    logits_chunk_size: int,
+    logits_chunk_size: int | None,
     scoring_batch_size: int | None,
     model_dtype: str,
 ) -> None:
@@ -83,8 +83,7 @@ def check_grpo_args(
             f"mode={mode!r} {own}; rollout_correction={rollout_correction.mode!r} would correct twice: drop it or "
             "use RolloutCorrection('none')"
         )
-    if logits_chunk_size < 1:
-        raise ValueError(f"logits_chunk_size must be >= 1, got {logits_chunk_size}")
+    check_logits_chunk_size(logits_chunk_size)
     if scoring_batch_size is not None and scoring_batch_size < 1:
         raise ValueError(f"scoring_batch_size must be >= 1 or None, got {scoring_batch_size}")
     check_quantization(reference_quantization, "reference_quantization")

@@ -143,7 +143,8 @@ class DistillModule(LightningModule):
         optimizer: Optimizer factory called with the student's trainable parameters; None: AdamW, lr 1e-5, no weight
             decay.
         lr_scheduler: Optional scheduler factory called with the optimizer, stepped every optimizer step.
-        logits_chunk_size: Rows of ``[rows, vocab]`` logits computed at a time.
+        logits_chunk_size: Rows of ``[rows, vocab]`` logits computed at a time; None: 1024 off the CPU, on the CPU
+            the most rows whose float32 buffer stays within 32 MiB (`lit_smd.losses.head.logits_chunk_rows`).
         model_dtype: Parameter dtype of models loaded from a path.
         gradient_checkpointing: Enable the student's activation checkpointing.
         lora: Train LoRA adapters (`lit_smd.lora.LoraSettings`: ``r``, ``alpha``, ``dropout``, ``target_modules``)
@@ -182,7 +183,7 @@ class DistillModule(LightningModule):
         teacher_quantization: Quantization | None = None,
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
-        logits_chunk_size: int = 1024,
+        logits_chunk_size: int | None = None,
         model_dtype: ModelDType = "auto",
         gradient_checkpointing: bool = False,
         lora: LoraSettings | None = None,
@@ -271,7 +272,7 @@ class DistillModule(LightningModule):
                 head = output_head(self.student)
                 _, entropy = token_logprobs_and_entropy(
                     hidden, head, rollout.completion_ids, temperature=self.temperature,
-                    chunk_size=self.logits_chunk_size,
+                    chunk_size=head.chunk_rows(self.logits_chunk_size),
                 )
         finally:
             self.student.train(was_training)
@@ -334,7 +335,7 @@ class DistillModule(LightningModule):
         """
         mask = rollout.completion_mask  # [B, N]
         head = output_head(self.student)
-        chunk = self.logits_chunk_size
+        chunk = head.chunk_rows(self.logits_chunk_size)
         weights = {"forward_weight": self.forward_weight, "reverse_weight": self.reverse_weight}
         common = {"temperature": self.temperature, "mask": mask, "chunk_size": chunk}
         student_hidden = self._hidden(self.student, rollout)  # [B, N, H]

@@ -200,7 +200,9 @@ class GRPOModule(LightningModule):
         optimizer: Optimizer factory called with the policy's trainable parameters; None means AdamW with lr 1e-6
             and no weight decay (TRL / verl defaults).
         lr_scheduler: Optional scheduler factory called with the optimizer, stepped every optimizer step.
-        logits_chunk_size: Rows of ``[rows, vocab]`` logits projected at a time (log-probs, entropy, SMD KL).
+        logits_chunk_size: Rows of ``[rows, vocab]`` logits projected at a time (log-probs, entropy, SMD KL);
+            None: 1024 off the CPU, on the CPU the most rows whose float32 buffer stays within 32 MiB
+            (`lit_smd.losses.head.logits_chunk_rows`).
         scoring_batch_size: Rows per no-grad forward when `make_experience` scores reference log-probs; None scores
             the whole rollout batch at once. (``pi_old`` is scored one training minibatch at a time, as the gradient
             pass runs.)
@@ -247,7 +249,7 @@ class GRPOModule(LightningModule):
         rollout_correction: RolloutCorrection | None = None,
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
-        logits_chunk_size: int = 1024,
+        logits_chunk_size: int | None = None,
         scoring_batch_size: int | None = None,
         model_dtype: ModelDType = "auto",
         gradient_checkpointing: bool = False,
@@ -367,7 +369,7 @@ class GRPOModule(LightningModule):
         if keep_prompt_kv:
             loss, kl = smd_loss_and_kl(
                 self.policy, rollout, learner, batch.loss_mask, loss, logprobs, kl_coef=self.kl_coef,
-                temperature=self.temperature, chunk_size=self.logits_chunk_size, phase_owner=self,
+                temperature=self.temperature, chunk_size=self._chunk_rows(), phase_owner=self,
             )  # fmt: skip
         elif smd_teacher:  # kl_stop_gradient="masked": the dense pass is the student
             kl = self.smd_kl(rollout, batch.loss_mask, masked=learner)
@@ -405,7 +407,7 @@ class GRPOModule(LightningModule):
         """
         return smd_kl(
             self.policy, rollout, mask, layout=self.learner_layout, stop_gradient=self.kl_stop_gradient,
-            temperature=self.temperature, chunk_size=self.logits_chunk_size, masked=masked, phase_owner=self,
+            temperature=self.temperature, chunk_size=self._chunk_rows(), masked=masked, phase_owner=self,
             backend=self.attention_backend,
         )  # fmt: skip
 
@@ -496,10 +498,14 @@ class GRPOModule(LightningModule):
             backend=self.attention_backend,
         )  # fmt: skip
 
+    def _chunk_rows(self) -> int:
+        """Rows per logits chunk: ``logits_chunk_size``, or by device and vocabulary when None."""
+        return output_head(self.policy).chunk_rows(self.logits_chunk_size)
+
     def _token_logprobs(self, model: PreTrainedModel, hidden: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
         head = output_head(model)
         return token_logprobs_and_entropy(
-            hidden, head, ids, temperature=self.temperature, chunk_size=self.logits_chunk_size
+            hidden, head, ids, temperature=self.temperature, chunk_size=head.chunk_rows(self.logits_chunk_size)
         )
 
     @torch.no_grad()

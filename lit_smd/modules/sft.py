@@ -43,6 +43,7 @@ from lit_smd.modules._common import (
     NonFiniteGuard,
     OptimizerCallable,
     check_checkpoint_model,
+    check_logits_chunk_size,
     check_model_args,
     configure_optimizers,
     export_at_train_end,
@@ -80,7 +81,8 @@ class SFTModule(LightningModule):
         lr_scheduler: Optional scheduler factory called with the optimizer, stepped every optimizer step.
         export_dir: Write the trained policy and the data side's tokenizer here with ``save_pretrained`` when fit
             ends (rank 0), for `lit_smd.modules.GRPOModule` to load as ``policy``.
-        logits_chunk_size: Rows of ``[rows, vocab]`` logits projected at a time.
+        logits_chunk_size: Rows of ``[rows, vocab]`` logits projected at a time; None: 1024 off the CPU, on the CPU
+            the most rows whose float32 buffer stays within 32 MiB (`lit_smd.losses.head.logits_chunk_rows`).
         model_dtype: Parameter dtype when ``policy`` is loaded from a path.
         gradient_checkpointing: Enable the policy's activation checkpointing.
         disable_dropout: Set every dropout probability of the policy to 0.
@@ -96,7 +98,7 @@ class SFTModule(LightningModule):
         optimizer: OptimizerCallable | None = None,
         lr_scheduler: LRSchedulerCallable | None = None,
         export_dir: str | None = None,
-        logits_chunk_size: int = 1024,
+        logits_chunk_size: int | None = None,
         model_dtype: ModelDType = "auto",
         gradient_checkpointing: bool = False,
         disable_dropout: bool = True,
@@ -104,8 +106,7 @@ class SFTModule(LightningModule):
     ) -> None:
         super().__init__()
         self.nonfinite_guard = NonFiniteGuard(on_nonfinite)
-        if isinstance(logits_chunk_size, bool) or not isinstance(logits_chunk_size, int) or logits_chunk_size < 1:
-            raise ValueError(f"logits_chunk_size must be an integer >= 1, got {logits_chunk_size!r}")
+        check_logits_chunk_size(logits_chunk_size)
         check_model_args({"policy": policy}, model_dtype)
         ignored = ["policy"] if isinstance(policy, torch.nn.Module) else []
         self.save_hyperparameters(ignore=[*ignored, "optimizer", "lr_scheduler"])
@@ -140,10 +141,9 @@ class SFTModule(LightningModule):
         mask = targets != IGNORE_INDEX
         rows = hidden[mask]  # [n, H]: only labelled positions reach the vocabulary projection
         head = output_head(self.policy)
-        logprobs, _ = token_logprobs_and_entropy(
-            rows[None], head, targets[mask][None], chunk_size=self.logits_chunk_size
-        )  # [1, n]
-        greedy = head.argmax(rows.detach(), self.logits_chunk_size)  # [n]
+        chunk = head.chunk_rows(self.logits_chunk_size)
+        logprobs, _ = token_logprobs_and_entropy(rows[None], head, targets[mask][None], chunk_size=chunk)  # [1, n]
+        greedy = head.argmax(rows.detach(), chunk)  # [n]
         out_logprobs = hidden.new_zeros(targets.shape, dtype=logprobs.dtype).masked_scatter(mask, logprobs[0])
         correct = torch.ones_like(mask).masked_scatter(mask, greedy == targets[mask])
         return out_logprobs, correct

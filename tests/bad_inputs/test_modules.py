@@ -55,7 +55,7 @@ GRPO_ERRORS = [
     ("unknown kl_stop_gradient", {"kl_stop_gradient": "both"}, r"kl_stop_gradient must be 'dense' or 'masked'"),
     ("sparse_rl as a dict", {"mode": "sparse_rl", "compressor": SNAPKV, "sparse_rl": {"lower": 0.5}},
      r"sparse_rl must be a lit_smd.losses.SparseRLConfig or None"),
-    ("zero logits_chunk_size", {"logits_chunk_size": 0}, r"logits_chunk_size must be >= 1, got 0"),
+    ("zero logits_chunk_size", {"logits_chunk_size": 0}, r"logits_chunk_size must be an integer >= 1, or None.*got 0"),
     ("zero scoring_batch_size", {"scoring_batch_size": 0}, r"scoring_batch_size must be >= 1 or None, got 0"),
     ("unknown model_dtype", {"model_dtype": "fp8"}, r"model_dtype must be one of \('auto', 'float32', .*got 'fp8'"),
     ("missing reference path", {"beta": 0.1, "reference": "./no/such/reference"},
@@ -181,7 +181,7 @@ DISTILL_ERRORS = [
     ("unknown quantization", {"teacher_quantization": "2bit"}, r"teacher_quantization must be None, '8bit' or '4bit'"),
     ("quantizing a loaded teacher", {"teacher_quantization": "8bit"},
      r"teacher_quantization applies when `teacher` is a path"),
-    ("zero logits_chunk_size", {"logits_chunk_size": 0}, r"logits_chunk_size must be >= 1, got 0"),
+    ("zero logits_chunk_size", {"logits_chunk_size": 0}, r"logits_chunk_size must be an integer >= 1, or None.*got 0"),
     ("unknown model_dtype", {"model_dtype": "half"}, r"model_dtype must be one of \('auto', .*got 'half'"),
     ("missing teacher path", {"teacher": "/nonexistent/teacher"}, r"teacher='/nonexistent/teacher' is neither"),
     ("unknown learner_layout", {"learner_layout": "packed"},
@@ -231,8 +231,8 @@ def test_distill_prompts_past_the_student_context_fail_at_fit_start(tokenizer):
 
 # (case, SFTModule keyword arguments besides the policy, regex)
 SFT_ERRORS = [
-    ("zero logits_chunk_size", {"logits_chunk_size": 0}, r"logits_chunk_size must be an integer >= 1, got 0"),
-    ("float logits_chunk_size", {"logits_chunk_size": 2.5}, r"logits_chunk_size must be an integer >= 1, got 2.5"),
+    ("zero logits_chunk_size", {"logits_chunk_size": 0}, r"logits_chunk_size must be an integer >= 1, or None.*got 0"),
+    ("float logits_chunk_size", {"logits_chunk_size": 2.5}, r"logits_chunk_size must be an integer >= 1.*got 2.5"),
     ("unknown model_dtype", {"model_dtype": "int8"}, r"model_dtype must be one of \('auto', .*got 'int8'"),
 ]  # fmt: skip
 

@@ -4,7 +4,7 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lit_smd.losses.head import LogitTransform, OutputHead, output_head
+from lit_smd.losses.head import CPU_CHUNK_BYTES, LogitTransform, OutputHead, logits_chunk_rows, output_head
 from lit_smd.losses.kl import chunked_token_kl, token_kl
 from lit_smd.losses.kl_topk import topk_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
@@ -129,3 +129,20 @@ def test_chunked_argmax_matches_the_full_projection():
     for chunk_size in (1, 3, 10, 64):
         assert torch.equal(head.argmax(hidden, chunk_size), full)
     assert head.argmax(hidden[:, :0], 3).shape == (2, 0)  # no rows: an empty result, not an error
+
+
+@pytest.mark.parametrize(
+    ("vocab", "rows"),
+    [(256, 1024), (8192, 1024), (8193, 512), (32000, 256), (49152, 128), (151936, 32), (CPU_CHUNK_BYTES // 4 + 1, 1)],
+)
+def test_default_cpu_logits_chunk_is_the_most_rows_whose_float32_buffer_fits(vocab, rows):
+    assert logits_chunk_rows(None, vocab, "cpu") == rows
+    assert rows == 1024 or 2 * rows * vocab * 4 > CPU_CHUNK_BYTES  # twice as many would not fit
+    assert rows == 1 or rows * vocab * 4 <= CPU_CHUNK_BYTES
+
+
+def test_logits_chunk_rows_off_the_cpu_and_when_given():
+    assert logits_chunk_rows(None, 151936, "cuda") == 1024  # a GPU's caching allocator reuses the buffers
+    assert logits_chunk_rows(7, 151936, "cpu") == logits_chunk_rows(7, 256, torch.device("cuda")) == 7
+    head = OutputHead(torch.zeros(49152, 4))
+    assert head.chunk_rows(None) == 128 and head.chunk_rows(3) == 3

@@ -21,7 +21,7 @@ from lit_smd.losses.sparse_rl import sparse_rl_correction
 from lit_smd.modules.grpo import GRPOModule
 from lit_smd.rollout import Rollout, generate
 from lit_smd.tasks import key_value_retrieval
-from lit_smd.tiny import save_tiny_checkpoint
+from lit_smd.tiny import build_tiny_model, save_tiny_checkpoint
 
 MODES = ("dense", "naive", "sparse_rl", "smd")
 
@@ -422,3 +422,12 @@ def test_constructible_from_yaml_by_lightning_cli(tmp_path, tokenizer, monkeypat
     assert isinstance(optimizer, torch.optim.AdamW) and optimizer.defaults["lr"] == 1e-5
     assert cli.datamodule.num_generations == 2
     assert isinstance(Experience, type)
+
+
+def test_default_logits_chunk_follows_the_vocabulary_on_the_cpu(tiny_model):
+    """``logits_chunk_size=None`` (the default): on the CPU as many rows as keep a float32 ``[rows, vocab]`` buffer
+    within 32 MiB (a larger one is mapped and page-faulted anew per chunk); a given size is used as it is."""
+    assert GRPOModule(tiny_model, mode="dense")._chunk_rows() == 1024  # a small vocabulary: the 1024-row cap
+    wide = build_tiny_model("qwen3", vocab_size=49152)
+    assert GRPOModule(wide, mode="dense")._chunk_rows() == 128  # 128 x 49152 x 4 B = 24 MiB
+    assert GRPOModule(wide, mode="dense", logits_chunk_size=1024)._chunk_rows() == 1024
