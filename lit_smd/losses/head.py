@@ -15,6 +15,9 @@ attribute it does not know how to apply (`LOGIT_ATTRIBUTES`) rather than assume 
 The transform runs in float32 (float64 for float64 models), after the projection. The rollout samples from the model's
 own forward, which applies it in the model dtype: the two agree to float rounding in float32 and float64; in bfloat16
 a softcapped family's sampler and learner differ by bfloat16's rounding of the capped logits.
+
+How many rows a chunk holds, when the modules' ``logits_chunk_size`` is None, is `logits_chunk_rows`: 1024 off the
+CPU; on the CPU as many as keep a float32 ``[rows, vocab]`` buffer on glibc's heap (`CPU_CHUNK_BYTES`).
 """
 
 from __future__ import annotations
