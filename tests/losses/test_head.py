@@ -146,3 +146,5 @@ def test_logits_chunk_rows_off_the_cpu_and_when_given():
     assert logits_chunk_rows(7, 151936, "cpu") == logits_chunk_rows(7, 256, torch.device("cuda")) == 7
     head = OutputHead(torch.zeros(49152, 4))
     assert head.chunk_rows(None) == 128 and head.chunk_rows(3) == 3
+    assert OutputHead(torch.zeros(49152, 4, dtype=torch.float64)).chunk_rows(None) == 64  # float64 logits: 8 B each
+    assert OutputHead(torch.zeros(49152, 4, dtype=torch.bfloat16)).chunk_rows(None) == 128  # float32 logits
