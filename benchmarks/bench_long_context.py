@@ -95,7 +95,7 @@ import torch
 from lit_smd.kv import NEVER, ShadowMask
 from lit_smd.learner import learner_hidden_states, score
 from lit_smd.losses import group_advantages, policy_loss, token_logprobs_and_entropy
-from lit_smd.losses.head import logits_chunk_rows, output_head
+from lit_smd.losses.head import CPU_CHUNK_BYTES, logits_chunk_rows, output_head
 from lit_smd.modules._grpo_smd import grpo_pass, smd_loss_and_kl
 from lit_smd.rollout import Rollout, generate
 
@@ -375,7 +375,7 @@ def _proc_kib(field: str, pid: int | str = "self") -> int:
 
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 MEMORY_MMAP_THRESHOLD = 64 * 1024
-TIMING_MMAP_THRESHOLD = 32 * 2**20  # glibc's dynamic threshold at its 64-bit maximum (DEFAULT_MMAP_THRESHOLD_MAX)
+TIMING_MMAP_THRESHOLD = CPU_CHUNK_BYTES  # glibc's dynamic threshold at its 64-bit maximum (DEFAULT_MMAP_THRESHOLD_MAX)
 
 
 def use_allocator(purpose: str) -> None:
@@ -619,10 +619,10 @@ def predict_peak(history: list[dict[str, Any]], length: int) -> int | None:
 
 def kept_note(results: list[dict[str, Any]]) -> str:
     """The header's sentence on what the full-size warm-up kept (`run_cell`), or "" when no cell ran one."""
-    kept = {row["mode"]: [] for row in results if row.get("kept_bytes") is not None}
+    kept: dict[str, list[float]] = {}
     for row in results:
         if row.get("kept_bytes") is not None:
-            kept[row["mode"]].append(row["kept_bytes"] / 2**20)
+            kept.setdefault(row["mode"], []).append(row["kept_bytes"] / 2**20)
     if not kept:
         return ""
     spans = ", ".join(f"{mode} {min(v):.0f}-{max(v):.0f} MiB" for mode, v in kept.items())
