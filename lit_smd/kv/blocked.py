@@ -15,7 +15,9 @@ computed from the eviction steps where it is used. Two forms:
   about ``block x block`` instead of ``block x keys``. The backward rebuilds each block's pieces and runs the kernel's
   backward per piece against the merged output and log-normaliser (the exact gradients of the whole softmax),
   adding the key / value gradients into one buffer per layer. Only the queries, keys, values, output and
-  log-normaliser are kept between forward and backward.
+  log-normaliser are kept between forward and backward. Where no key dies for a while (a row's prompt, or a
+  completion whose rollout evicted only at prefill) the blocks grow to `DENSE_BLOCK` queries, two kernel calls each as
+  in the dense view: a per-row pass over an 8k prompt costs what the dense one does instead of 1.11x.
 * otherwise (layers with softcap / sinks, dropout, SDPA on other devices): `block_attention` per block, with the
   block's mask ``[rows, heads, block, keys]`` (earlier keys evicted before the block gathered out, `live_keys`) and
   SDPA or the explicit-softmax path of `lit_smd.kv.features`; under autograd every block is checkpointed
@@ -30,6 +32,7 @@ slots.
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -314,10 +317,11 @@ VISIBLE_BLOCK = 256
 mask would pass `BLOCK_ELEMENTS` is halved). 256 measured fastest of 128-1024 at 8k tokens, head size 16."""
 
 DENSE_BLOCK = 2048
-"""Queries per block of `visible_attention` in the dense view, where no key dies and each block is two kernel calls
-(the earlier keys, its own keys causally) whatever its size: fewer calls than `VISIBLE_BLOCK`'s (the dense learner
-20% faster at 4k tokens), while the merge's ``[B', H', block, D]`` transients stay small beside the pass's
-activations (a whole 8k slot per block raised SMD's peak from 1.13x to 1.17x dense)."""
+"""Queries per block of `visible_attention` in the dense view, and in the shadow view's runs of queries where no key
+dies: there each block is two kernel calls (the earlier keys, its own keys causally) whatever its size, fewer calls
+than `VISIBLE_BLOCK`'s (the dense learner 20% faster at 4k tokens), while the merge's ``[B', H', block, D]``
+transients stay small beside the pass's activations (a whole 8k slot per block raised SMD's peak from 1.13x to 1.17x
+dense)."""
 
 
 @dataclass
@@ -354,15 +358,43 @@ class _Piece:
 def _blocks(limit: Tensor, query_pos: Tensor, own_from: int, block: int, dtype: torch.dtype):
     """Yield ``(start, stop, pieces)`` over the query blocks of `visible_attention`: ``block`` queries each, halved
     (not below `MIN_BLOCK`) while the masked piece would hold more than `BLOCK_ELEMENTS` entries (many keys dying
-    within the block, or rows that see very different numbers of earlier keys). Deterministic: the backward walks
-    the same blocks."""
+    within the block, or rows that see very different numbers of earlier keys). Where no key dies for longer than
+    ``block`` queries (a row's prompt; the completion of a rollout that evicted only at prefill) a block grows to the
+    end of that run, at most `DENSE_BLOCK` queries, when it needs no mask there: two kernel calls, as the dense view's
+    blocks. Deterministic: the backward walks the same blocks."""
     length, start = query_pos.shape[1], 0
+    deaths = _death_indices(limit, query_pos) if block < DENSE_BLOCK else None
+    masked_until = 0  # a run whose grown block needed a mask (rows that see different numbers of earlier keys)
     while start < length:
         size = min(block, length - start)
+        if deaths is not None and start >= masked_until:
+            after = bisect.bisect_right(deaths, start)
+            run_end = deaths[after] if after < len(deaths) else length
+            grown = min(DENSE_BLOCK, run_end - start)
+            if grown > size:
+                pieces = _pieces(limit, query_pos, own_from, start, start + grown, dtype, True)
+                if pieces is not None and all(piece.mask is None for piece in pieces):
+                    yield start, start + grown, pieces
+                    start += grown
+                    continue
+                masked_until = run_end
         while (pieces := _pieces(limit, query_pos, own_from, start, start + size, dtype, size > MIN_BLOCK)) is None:
             size = max(MIN_BLOCK, size // 2)
         yield start, start + size, pieces
         start += size
+
+
+def _death_indices(limit: Tensor, query_pos: Tensor) -> list[int] | None:
+    """The sorted query indices ``d`` in ``[1, T)`` at which some key stops being visible (query ``d - 1`` sees it,
+    query ``d`` does not), over all rows; a block ``[s, e)`` with none in ``[s + 1, e)`` sees no key die. None when a
+    row's query positions are not consecutive (then no block grows)."""
+    length = query_pos.shape[1]
+    if not bool((query_pos[:, -1] - query_pos[:, 0] == length - 1).all()):
+        return None
+    index = limit.long() - query_pos[:, :1].long()  # [B', K]: the first query index that no longer sees each key
+    index = index[(index >= 1) & (index < length)]
+    dies = torch.zeros(length, dtype=torch.bool, device=limit.device).index_fill_(0, index, True)
+    return dies.nonzero().flatten().tolist()
 
 
 def _pieces(

@@ -175,3 +175,65 @@ def test_visible_attention_in_bfloat16_stays_within_its_rounding():
     rounding = (expected.to(torch.bfloat16).double() - expected).abs().max()
     error = (out.double() - expected).abs().max()
     assert error <= 3 * rounding, (error, rounding)
+
+
+def _walked_sizes(monkeypatch) -> list[int]:
+    """Spy on `blocked._blocks`: the sizes of the blocks the forward (then the backward) walks."""
+    sizes = []
+    walk = blocked._blocks
+
+    def spy(*args):
+        for start, stop, pieces in walk(*args):
+            sizes.append(stop - start)
+            yield start, stop, pieces
+
+    monkeypatch.setattr(blocked, "_blocks", spy)
+    return sizes
+
+
+def _exact_with_gradients(query, key, value, limit, query_pos, own_from, block):
+    out = visible_attention(query, lambda k, v: (k, v), (key, value), limit, query_pos, own_from, 0.3, block=block)
+    expected = _naive(query, key, value, limit, query_pos, own_from, 0.3)
+    assert (out - expected).abs().max() <= 1e-12
+    grad_out = torch.randn_like(expected)
+    grads = torch.autograd.grad(out, (query, key, value), grad_out)
+    for name, grad, reference in zip(
+        "qkv", grads, torch.autograd.grad(expected, (query, key, value), grad_out), strict=True
+    ):
+        assert (grad - reference).abs().max() <= 1e-12, name
+
+
+def test_visible_attention_grows_blocks_where_no_key_dies(monkeypatch):
+    """Queries 0-20 see no key die (a row's prompt): their blocks grow past ``block`` to at most `DENSE_BLOCK`,
+    ending where the first key dies; the rest keeps ``block``. Forward and backward walk the same blocks, exactly."""
+    monkeypatch.setattr(blocked, "DENSE_BLOCK", 12)
+    sizes = _walked_sizes(monkeypatch)
+    query, key, value, limit, query_pos = _case(5, 60, 10, 0.0)
+    start = int(query_pos[0, 0])
+    limit[:, : 5 + 18] = NEVER  # the earlier keys and own keys 0-17 never die
+    limit[:, :2] = 0  # two earlier keys dead before every query (prefill drops): no death inside the run
+    own = limit[:, 5 + 18 :]
+    limit[:, 5 + 18 :] = torch.maximum(own, torch.tensor(start + 21, dtype=torch.int32))  # first death: query 21
+    _exact_with_gradients(query, key, value, limit, query_pos, 5, block=4)
+    forward = sizes[: len(sizes) // 2]
+    assert forward[:2] == [12, 9], forward  # [0, 12), then [12, 21): the run ends at the first death
+    assert max(forward[2:]) == 4 and sum(forward) == 60, forward
+    assert sizes[len(forward) :] == forward
+
+
+def test_visible_attention_keeps_blocks_where_a_grown_one_needs_a_mask(monkeypatch):
+    """No key dies, but one row sees an earlier key fewer than the others: a grown block would need a mask, so the run
+    keeps ``block`` (tried once per run); rows with gaps in their query positions never grow."""
+    monkeypatch.setattr(blocked, "DENSE_BLOCK", 16)
+    sizes = _walked_sizes(monkeypatch)
+    query, key, value, limit, query_pos = _case(5, 40, 10, 0.0)
+    limit[:] = NEVER
+    limit[0, 3] = int(query_pos[0, 0])  # row 0's earlier key 3 is dead from query 0 on: unequal counts, no death
+    _exact_with_gradients(query, key, value, limit, query_pos, 5, block=4)
+    assert set(sizes) == {4}, sizes
+    sizes.clear()
+    query, key, value, limit, query_pos = _case(5, 40, 10, 0.0)
+    limit[:] = NEVER
+    query_pos = torch.where(torch.arange(40) < 20, query_pos, query_pos + 3)  # a gap: not consecutive positions
+    _exact_with_gradients(query, key, value, limit, query_pos, 5, block=4)
+    assert set(sizes) == {4}, sizes
