@@ -182,7 +182,7 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     if args.teacher and args.layout != "shared_prefix":
-        raise ValueError("--teacher times the shared-prefix teacher: use it with --layout shared_prefix")
+        raise SystemExit("--teacher times the shared-prefix teacher: use it with --layout shared_prefix")
     device = C.resolve_device(args.device)
     C.apply_threads(args.threads, device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))

@@ -305,7 +305,12 @@ def test_flex_blocks_benchmark(run_all, tmp_path):
         if teacher:  # the prompt's 2 whole query blocks skipped
             kept, computed = (payload["teacher"][variant] for variant in reversed(bench.TEACHER_VARIANTS))
             assert kept["blocks"] < computed["blocks"] and kept["median_s"] > 0 < computed["median_s"]
-    with pytest.raises(ValueError, match="--teacher"):
+
+
+def test_flex_blocks_refuses_the_teacher_per_row(run_all):
+    """A flag misuse stops before any tensor is built, as `bench_long_context.py`'s do (SystemExit, the flag named)."""
+    bench = importlib.import_module("bench_flex_blocks")
+    with pytest.raises(SystemExit, match="--teacher"):
         bench.main(["--device", "cpu", "--layout", "per_row", "--teacher"])
 
 
