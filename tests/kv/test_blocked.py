@@ -45,6 +45,33 @@ def _case(own_from, length, lifetimes, never_share, seed=0, rows=3, kv_heads=1, 
     return query, key, value, limit, query_pos
 
 
+def _walked_sizes(monkeypatch) -> list[int]:
+    """Spy on `blocked._blocks`: the sizes of the blocks the forward (then the backward) walks."""
+    sizes = []
+    walk = blocked._blocks
+
+    def spy(*args):
+        for start, stop, pieces in walk(*args):
+            sizes.append(stop - start)
+            yield start, stop, pieces
+
+    monkeypatch.setattr(blocked, "_blocks", spy)
+    return sizes
+
+
+def _exact_with_gradients(query, key, value, limit, query_pos, own_from, block):
+    """`visible_attention`'s output and Q / K / V gradients equal the full mask's to 1e-12 (float64)."""
+    out = visible_attention(query, lambda k, v: (k, v), (key, value), limit, query_pos, own_from, 0.3, block=block)
+    expected = _naive(query, key, value, limit, query_pos, own_from, 0.3)
+    assert (out - expected).abs().max() <= 1e-12
+    grad_out = torch.randn_like(expected)
+    grads = torch.autograd.grad(out, (query, key, value), grad_out)
+    for name, grad, reference in zip(
+        "qkv", grads, torch.autograd.grad(expected, (query, key, value), grad_out), strict=True
+    ):
+        assert (grad - reference).abs().max() <= 1e-12, name
+
+
 @pytest.mark.parametrize("own_from", [0, 5, 17])
 @pytest.mark.parametrize("block", [1, 4, 13, 64])
 @pytest.mark.parametrize("never_share", [0.0, 0.5, 1.0])
@@ -52,14 +79,7 @@ def test_visible_attention_and_its_gradients_equal_the_full_mask(own_from, block
     """Gathered pieces without a mask, masked pieces with padded rows, slices and plain causal own keys (``never_share
     = 1``: every key outlives every block) all give the full mask's output and Q / K / V gradients."""
     query, key, value, limit, query_pos = _case(own_from, 50, 30, never_share, seed=block + own_from)
-    expected = _naive(query, key, value, limit, query_pos, own_from, 0.3)
-    out = visible_attention(query, lambda k, v: (k, v), (key, value), limit, query_pos, own_from, 0.3, block=block)
-    assert (out - expected).abs().max() <= 1e-12
-    grad_out = torch.randn_like(expected)
-    expected_grads = torch.autograd.grad(expected, (query, key, value), grad_out)
-    grads = torch.autograd.grad(out, (query, key, value), grad_out)
-    for name, grad, reference in zip("qkv", grads, expected_grads, strict=True):
-        assert (grad - reference).abs().max() <= 1e-12, name
+    _exact_with_gradients(query, key, value, limit, query_pos, own_from, block)
 
 
 def test_visible_attention_pieces_cover_each_kind(monkeypatch):
@@ -118,26 +138,12 @@ def test_visible_attention_halves_blocks_whose_mask_would_be_too_large(monkeypat
     `MIN_BLOCK`), forward and backward walk the same blocks, and the result stays exact."""
     monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 3 * 8 * 40)
     monkeypatch.setattr(blocked, "MIN_BLOCK", 2)
-    sizes = []
-    walk = blocked._blocks
-
-    def spy(*args):
-        for start, stop, pieces in walk(*args):
-            sizes.append(stop - start)
-            yield start, stop, pieces
-
-    monkeypatch.setattr(blocked, "_blocks", spy)
+    sizes = _walked_sizes(monkeypatch)
     query, key, value, limit, query_pos = _case(20, 60, 40, 0.2)
-    out = visible_attention(query, lambda k, v: (k, v), (key, value), limit, query_pos, 20, 0.3, block=32)
-    expected = _naive(query, key, value, limit, query_pos, 20, 0.3)
-    assert (out - expected).abs().max() <= 1e-12
-    forward_sizes = list(sizes)
-    assert sum(forward_sizes) == 60 and max(forward_sizes) < 32 and min(forward_sizes) >= 2, forward_sizes
-    grad_out = torch.randn_like(expected)
-    grads = torch.autograd.grad(out, (query, key, value), grad_out)
-    assert sizes[len(forward_sizes) :] == forward_sizes
-    for grad, reference in zip(grads, torch.autograd.grad(expected, (query, key, value), grad_out), strict=True):
-        assert (grad - reference).abs().max() <= 1e-12
+    _exact_with_gradients(query, key, value, limit, query_pos, 20, block=32)
+    forward = sizes[: len(sizes) // 2]
+    assert sum(forward) == 60 and max(forward) < 32 and min(forward) >= 2, forward
+    assert sizes[len(forward) :] == forward
 
 
 def test_visible_attention_unfolds_kv_heads_into_the_output_heads():
@@ -175,32 +181,6 @@ def test_visible_attention_in_bfloat16_stays_within_its_rounding():
     rounding = (expected.to(torch.bfloat16).double() - expected).abs().max()
     error = (out.double() - expected).abs().max()
     assert error <= 3 * rounding, (error, rounding)
-
-
-def _walked_sizes(monkeypatch) -> list[int]:
-    """Spy on `blocked._blocks`: the sizes of the blocks the forward (then the backward) walks."""
-    sizes = []
-    walk = blocked._blocks
-
-    def spy(*args):
-        for start, stop, pieces in walk(*args):
-            sizes.append(stop - start)
-            yield start, stop, pieces
-
-    monkeypatch.setattr(blocked, "_blocks", spy)
-    return sizes
-
-
-def _exact_with_gradients(query, key, value, limit, query_pos, own_from, block):
-    out = visible_attention(query, lambda k, v: (k, v), (key, value), limit, query_pos, own_from, 0.3, block=block)
-    expected = _naive(query, key, value, limit, query_pos, own_from, 0.3)
-    assert (out - expected).abs().max() <= 1e-12
-    grad_out = torch.randn_like(expected)
-    grads = torch.autograd.grad(out, (query, key, value), grad_out)
-    for name, grad, reference in zip(
-        "qkv", grads, torch.autograd.grad(expected, (query, key, value), grad_out), strict=True
-    ):
-        assert (grad - reference).abs().max() <= 1e-12, name
 
 
 def test_visible_attention_grows_blocks_where_no_key_dies(monkeypatch):
