@@ -363,7 +363,7 @@ def _blocks(limit: Tensor, query_pos: Tensor, own_from: int, block: int, dtype: 
     end of that run, at most `DENSE_BLOCK` queries, when it needs no mask there: two kernel calls, as the dense view's
     blocks. Deterministic: the backward walks the same blocks."""
     length, start = query_pos.shape[1], 0
-    deaths = _death_indices(limit, query_pos) if block < DENSE_BLOCK else None
+    deaths = _death_indices(limit, query_pos) if block < min(DENSE_BLOCK, length) else None
     masked_until = 0  # a run whose grown block needed a mask (rows that see different numbers of earlier keys)
     while start < length:
         size = min(block, length - start)

@@ -217,3 +217,10 @@ def test_visible_attention_keeps_blocks_where_a_grown_one_needs_a_mask(monkeypat
     query_pos = torch.where(torch.arange(40) < 20, query_pos, query_pos + 3)  # a gap: not consecutive positions
     _exact_with_gradients(query, key, value, limit, query_pos, 5, block=4)
     assert set(sizes) == {4}, sizes
+
+
+def test_visible_attention_of_no_queries_is_empty():
+    query, key, value, limit, query_pos = _case(5, 8, 4, 0.3)
+    out = visible_attention(query[:, :, :0], lambda k, v: (k, v), (key[:, :, :5], value[:, :, :5]), limit[:, :5],
+                            query_pos[:, :0], 5, 0.3)  # fmt: skip
+    assert out.shape == (3, 2, 0, 8)
