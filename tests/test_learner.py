@@ -439,6 +439,43 @@ def test_query_blocks_and_pruned_keys_replay_the_rollout_exactly(model64, family
         assert (grad - grads[name]).abs().max() <= 1e-10, name
 
 
+@pytest.mark.parametrize("layout", ["shared_prefix", "per_row"])
+def test_blocks_grow_where_no_key_dies_and_replay_exactly(model64, layout, monkeypatch):
+    """SnapKV alone evicts only at prefill, so no key dies over the prompt's queries nor over the completions: the
+    shadow view's blocks grow past `VISIBLE_BLOCK` (here 3) up to `DENSE_BLOCK` (here 16), the replay stays exact and
+    the gradients are those of fixed blocks."""
+    import lit_smd.kv.blocked as blocked
+
+    model = model64("qwen3")
+    generator = torch.Generator().manual_seed(3)
+    ids = torch.randint(7, model.config.vocab_size, (2, 40), generator=generator)
+    rollout = generate(model, ids, torch.ones_like(ids), compressor=SnapKV(20, window=8), max_new_tokens=NEW,
+                       num_generations=GROUP, generator=generator)  # fmt: skip
+    monkeypatch.setattr(blocked, "VISIBLE_BLOCK", 3)
+    monkeypatch.setattr(blocked, "DENSE_BLOCK", 16)
+    sizes, walk = [], blocked._blocks
+
+    def spy(*args):
+        for start, stop, pieces in walk(*args):
+            sizes.append(stop - start)
+            yield start, stop, pieces
+
+    monkeypatch.setattr(blocked, "_blocks", spy)
+
+    def hidden():
+        return learner_hidden_states(model, rollout, shadow=True, layout=layout).hidden
+
+    logprobs, grads = _logprobs_and_grads(model, rollout, hidden)
+    assert max(sizes) > 3, sizes
+    assert (logprobs - rollout.logprobs).abs().max() <= 1e-12
+    monkeypatch.setattr(blocked, "_death_indices", lambda *args: None)  # fixed blocks of 3
+    sizes.clear()
+    _, fixed_grads = _logprobs_and_grads(model, rollout, hidden)
+    assert max(sizes) <= 3
+    for name, grad in fixed_grads.items():
+        assert (grad - grads[name]).abs().max() <= 1e-10, name
+
+
 def test_per_row_teacher_runs_in_row_chunks_with_the_same_states(model64, monkeypatch):
     """Without a shared prefix the dense teacher runs a few rows per decoder call (its transient is a chunk's, not the
     batch's): the same hidden states as one call."""
