@@ -633,12 +633,12 @@ def kept_note(results: list[dict[str, Any]]) -> str:
 
 
 def logits_chunk(args: argparse.Namespace, model: str) -> int:
-    """``--chunk-size``, or the modules' default for the model's vocabulary on ``--device``
+    """``--chunk-size``, or the modules' default for the model's vocabulary and ``--dtype`` on ``--device``
     (`lit_smd.losses.head.logits_chunk_rows`: 1024 rows on CUDA; on the CPU the most rows whose float32 buffer stays
     within glibc's 32 MiB heap threshold, as a larger one is mapped and page-faulted anew at every chunk, which on this
     benchmark's virtual machine cost 0.1-0.2 s per 192 MiB buffer and put the 135M shape's head and KL at 7-13 s per
     step for 2-4 s of work)."""
-    return logits_chunk_rows(args.chunk_size, MODELS[model]["vocab_size"], args.device)
+    return logits_chunk_rows(args.chunk_size, MODELS[model]["vocab_size"], args.device, getattr(torch, args.dtype))
 
 
 def cell_spec(args: argparse.Namespace, model: str, mode: str, layout: str, prompt_len: int, new_tokens: int,

@@ -316,9 +316,12 @@ def test_flex_blocks_refuses_the_teacher_per_row(run_all):
 
 def test_long_context_default_logits_chunk_keeps_cpu_buffers_on_the_heap(run_all):
     bench = importlib.import_module("bench_long_context")
-    cpu, cuda = argparse.Namespace(chunk_size=None, device="cpu"), argparse.Namespace(chunk_size=None, device="cuda")
+    cpu = argparse.Namespace(chunk_size=None, device="cpu", dtype="float32")
+    cuda = argparse.Namespace(chunk_size=None, device="cuda", dtype="float32")
     assert bench.logits_chunk(cpu, "tiny") == 1024  # 1 MiB buffers: the 1024-row cap
     assert bench.logits_chunk(cpu, "135m") == 128  # 128 x 49152 x 4 B = 24 MiB <= 32 MiB < 48 MiB at 256 rows
     assert 128 * 49152 * 4 <= bench.TIMING_MMAP_THRESHOLD < 256 * 49152 * 4
     assert bench.logits_chunk(cuda, "135m") == 1024
-    assert bench.logits_chunk(argparse.Namespace(chunk_size=7, device="cpu"), "135m") == 7  # the flag wins
+    assert bench.logits_chunk(argparse.Namespace(chunk_size=7, device="cpu", dtype="float32"), "135m") == 7  # the flag
+    # float64 runs: float64 logits, 8 B each, as the modules' `OutputHead.chunk_rows` sizes them
+    assert bench.logits_chunk(argparse.Namespace(chunk_size=None, device="cpu", dtype="float64"), "135m") == 64

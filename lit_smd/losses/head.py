@@ -124,10 +124,8 @@ class OutputHead:
         return self.transform.apply_(linear(hidden, self.weight, self.bias).to(dtype))  # [..., V]
 
     def chunk_rows(self, chunk_size: int | None) -> int:
-        """`logits_chunk_rows` for this head's vocabulary, device and logits dtype (float64 for a float64 weight, else
-        float32), ``chunk_size`` when given."""
-        element_bytes = 8 if self.weight.dtype == torch.float64 else 4
-        return logits_chunk_rows(chunk_size, self.weight.shape[0], self.weight.device, element_bytes)
+        """`logits_chunk_rows` for this head's vocabulary, device and weight dtype, ``chunk_size`` when given."""
+        return logits_chunk_rows(chunk_size, self.weight.shape[0], self.weight.device, self.weight.dtype)
 
     @torch.no_grad()
     def argmax(self, hidden: Tensor, chunk_size: int) -> Tensor:
@@ -179,12 +177,13 @@ threshold's 64-bit maximum). A larger block is mapped anew for every chunk and p
 
 
 def logits_chunk_rows(
-    chunk_size: int | None, vocab_size: int, device: torch.device | str, element_bytes: int = 4
+    chunk_size: int | None, vocab_size: int, device: torch.device | str, weight_dtype: torch.dtype = torch.float32
 ) -> int:
     """Rows of ``[rows, vocab]`` logits a chunked head projects at a time: ``chunk_size`` when given, else 1024 off
-    the CPU and, on the CPU, the most rows (a power of two, at most 1024) whose buffer of ``element_bytes`` per logit
-    (4: float32, the logits' dtype unless the model is float64) fits `CPU_CHUNK_BYTES`: for float32, 1024 up to an
-    8192-token vocabulary, 128 for 49152 (SmolLM2), 32 for 151936 (Qwen3).
+    the CPU and, on the CPU, the most rows (a power of two, at most 1024) whose buffer of logits fits
+    `CPU_CHUNK_BYTES`. The logits are float32 (8 bytes a logit for a ``weight_dtype`` of float64: `OutputHead`
+    computes float64 models' logits in float64): for float32, 1024 up to an 8192-token vocabulary, 128 for 49152
+    (SmolLM2), 32 for 151936 (Qwen3).
 
     Measured on the SmolLM2-135M shape at 2 x 1024 completion tokens (CPU, float32): SMD's step 1.40x dense with
     1024-row chunks, 1.28x with 128, and both modes' peaks 11-13% lower (`docs/results/benchmarks/long_context.md`).
@@ -193,5 +192,6 @@ def logits_chunk_rows(
         return chunk_size
     if torch.device(device).type != "cpu":
         return 1024
+    element_bytes = 8 if weight_dtype == torch.float64 else 4
     rows = CPU_CHUNK_BYTES // (element_bytes * vocab_size)
     return 1 << min(10, max(0, rows.bit_length() - 1))

@@ -144,6 +144,8 @@ def test_default_cpu_logits_chunk_is_the_most_rows_whose_float32_buffer_fits(voc
 def test_logits_chunk_rows_off_the_cpu_and_when_given():
     assert logits_chunk_rows(None, 151936, "cuda") == 1024  # a GPU's caching allocator reuses the buffers
     assert logits_chunk_rows(7, 151936, "cpu") == logits_chunk_rows(7, 256, torch.device("cuda")) == 7
+    assert logits_chunk_rows(None, 49152, "cpu", torch.float64) == 64  # float64 logits: 8 B each
+    assert logits_chunk_rows(None, 49152, "cpu", torch.bfloat16) == 128  # float32 logits
     head = OutputHead(torch.zeros(49152, 4))
     assert head.chunk_rows(None) == 128 and head.chunk_rows(3) == 3
     assert OutputHead(torch.zeros(49152, 4, dtype=torch.float64)).chunk_rows(None) == 64  # float64 logits: 8 B each
