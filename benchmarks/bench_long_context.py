@@ -949,7 +949,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--kl-coef", type=float, default=0.1, help="SMD's lambda")
     parser.add_argument("--chunk-size", type=int, default=None,
                         help="logits_chunk_size of the head and the KL (default: the modules' default, 1024 on CUDA; "
-                        "on the CPU the most rows whose float32 [rows, vocab] buffer stays under 32 MiB, at most 1024)")
+                        f"on the CPU the most rows whose float32 [rows, vocab] buffer stays under "
+                        f"{CPU_CHUNK_BYTES // 2**20} MiB, at most 1024)")
     parser.add_argument("--dtype", choices=list(C.DTYPES), default="float32")
     parser.add_argument("--repeats", type=int, default=1, help="timed steps per mode in each timing worker (the modes "
                         "taking turns)")
@@ -1042,10 +1043,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 f"{', activation checkpointing per layer' if args.gradient_checkpointing else ''}. "
                 f"Peak = resident high-water mark rise of one step (glibc mmap threshold 64 KiB), {where}; time = "
                 f"median of {args.repeats * args.rounds} step(s) per mode ({args.repeats} in each of {args.rounds} "
-                f"timing worker(s), one per cell, the modes taking turns; threshold 32 MiB, as a training process "
-                f"has it). (x) = against dense of the same length and layout, same run; for time the median (and "
-                f"range) of the ratios of each step to the dense step beside it. Times on a shared CPU are "
-                f"indicative.{kept_note(payload['results'])}\n\n"
+                f"timing worker(s), one per cell, the modes taking turns; threshold {TIMING_MMAP_THRESHOLD // 2**20} "
+                f"MiB, as a training process has it). (x) = against dense of the same length and layout, same run; "
+                f"for time the median (and range) of the ratios of each step to the dense step beside it. Times on a "
+                f"shared CPU are indicative.{kept_note(payload['results'])}\n\n"
                 + grid_tables(payload["results"], args)
             )
     except KeyboardInterrupt:

@@ -21,6 +21,7 @@ from transformers import PreTrainedModel, PreTrainedTokenizerBase
 from lit_smd.atomic import publish_dir
 from lit_smd.fsdp import fsdp_strategy, shard_model, unsharded_attribute
 from lit_smd.lora import LoraSettings, add_lora, save_pretrained_merged
+from lit_smd.losses.head import CPU_CHUNK_BYTES
 from lit_smd.models import Quantization, check_pretrained_source, load_causal_lm, load_tokenizer
 
 OptimizerCallable = Callable[[Iterable[torch.nn.Parameter]], torch.optim.Optimizer]
@@ -294,7 +295,8 @@ def check_logits_chunk_size(logits_chunk_size: object) -> None:
     if isinstance(logits_chunk_size, bool) or not isinstance(logits_chunk_size, int) or logits_chunk_size < 1:
         raise ValueError(
             f"logits_chunk_size must be an integer >= 1, or None for the default by device (1024 rows off the CPU; "
-            f"on the CPU as many as keep a [rows, vocab] float32 buffer within 32 MiB), got {logits_chunk_size!r}"
+            f"on the CPU as many as keep a [rows, vocab] float32 buffer within {CPU_CHUNK_BYTES // 2**20} MiB), got "
+            f"{logits_chunk_size!r}"
         )
 
 
