@@ -200,11 +200,12 @@ def test_no_mask_or_scores_are_kept_for_backward(model64, layout, monkeypatch):
     assert _two_length_axes(unchecked, lengths)
 
 
-@pytest.mark.parametrize("lengths", [(40, 40), (40, 31)])
-def test_dense_slot_attention_runs_whole_slots_with_bounded_masks(model64, lengths, monkeypatch):
+@pytest.mark.parametrize(("lengths", "max_groups"), [((40, 40), 8), ((40, 31), 8), ((40, 31), 1)])
+def test_dense_slot_attention_runs_whole_slots_with_bounded_masks(model64, lengths, max_groups, monkeypatch):
     """The dense view's slot queries run in blocks of `DENSE_BLOCK` (here one per slot; two kernel calls each: the
-    earlier keys, the block's own keys causally), not the shadow view's `VISIBLE_BLOCK`; where padded prompts would
-    need a mask, blocks shrink until it fits `BLOCK_ELEMENTS`. The values stay the per-row pass's."""
+    earlier keys, the block's own keys causally), not the shadow view's `VISIBLE_BLOCK`. Padded prompts make the rows
+    see different numbers of prompt keys: the rows run in groups, still whole slots without a mask; allowed one group
+    (`MAX_ROW_GROUPS`), blocks shrink until the mask fits `BLOCK_ELEMENTS`. The values stay the per-row pass's."""
     import lit_smd.kv.blocked as blocked
 
     model = model64("qwen3")
@@ -212,19 +213,23 @@ def test_dense_slot_attention_runs_whole_slots_with_bounded_masks(model64, lengt
     monkeypatch.setattr(blocked, "BLOCK_ELEMENTS", 200)  # padded prompts: a whole slot's mask would be 504
     monkeypatch.setattr(blocked, "MIN_BLOCK", 2)
     monkeypatch.setattr(blocked, "VISIBLE_BLOCK", 4)  # the shadow view's block, shorter than a slot here
-    blocks, masks, walk = [], [], blocked._blocks
+    monkeypatch.setattr(blocked, "MAX_ROW_GROUPS", max_groups)
+    blocks, masks, groups, walk = [], [], [], blocked._blocks
 
     def spy(*args):
-        for start, stop, pieces in walk(*args):
+        for start, stop, block_groups in walk(*args):
             blocks.append(stop - start)
+            groups.append(len(block_groups))
+            pieces = [piece for group in block_groups for piece in group.pieces]
             masks.extend(piece.mask.numel() for piece in pieces if piece.mask is not None)
-            yield start, stop, pieces
+            yield start, stop, block_groups
 
     monkeypatch.setattr(blocked, "_blocks", spy)
     packed = learner_hidden_states(model, rollout, shadow=False)
     assert packed._packing is not None and blocks
-    if lengths[0] == lengths[1]:
+    if max_groups > 1:
         assert set(blocks) == {packed._packing.plan.slot_width} and not masks
+        assert max(groups) == (1 if lengths[0] == lengths[1] else 2)
     else:
         assert masks and max(masks) <= 200 and max(blocks) < packed._packing.plan.slot_width
     expected = learner_hidden_states(model, rollout, shadow=False, layout="per_row").hidden
@@ -456,9 +461,9 @@ def test_blocks_grow_where_no_key_dies_and_replay_exactly(model64, layout, monke
     sizes, walk = [], blocked._blocks
 
     def spy(*args):
-        for start, stop, pieces in walk(*args):
+        for start, stop, groups in walk(*args):
             sizes.append(stop - start)
-            yield start, stop, pieces
+            yield start, stop, groups
 
     monkeypatch.setattr(blocked, "_blocks", spy)
 
@@ -473,6 +478,36 @@ def test_blocks_grow_where_no_key_dies_and_replay_exactly(model64, layout, monke
     _, fixed_grads = _logprobs_and_grads(model, rollout, hidden)
     assert max(sizes) <= 3
     for name, grad in fixed_grads.items():
+        assert (grad - grads[name]).abs().max() <= 1e-10, name
+
+
+def test_rows_of_different_lengths_run_in_groups_and_replay_exactly(model64, monkeypatch):
+    """Per row, prompts of 40 and 31 tokens, completions cut at different lengths: a row still in its prompt sees
+    every earlier key where another, in its completion or padding, sees about half, so blocks run per group of rows.
+    The replay stays exact and the gradients are those of one group per block (`MAX_ROW_GROUPS` 1: the surplus keys
+    under a mask). (Shared prefix, the slots see the prompt as the compressor kept it: 20 keys of either prompt.)"""
+    import lit_smd.kv.blocked as blocked
+
+    model = model64("qwen3")
+    rollout = _rollout(model)
+    monkeypatch.setattr(blocked, "VISIBLE_BLOCK", 3)
+    groups, walk = [], blocked._blocks
+
+    def spy(*args):
+        for start, stop, block_groups in walk(*args):
+            groups.append(len(block_groups))
+            yield start, stop, block_groups
+
+    monkeypatch.setattr(blocked, "_blocks", spy)
+
+    logprobs, grads = _logprobs_and_grads(model, rollout, lambda: _per_row(model, rollout, True))
+    assert max(groups) >= 2, groups
+    assert (logprobs - rollout.logprobs).abs().max() <= 1e-12
+    monkeypatch.setattr(blocked, "MAX_ROW_GROUPS", 1)
+    groups.clear()
+    _, together = _logprobs_and_grads(model, rollout, lambda: _per_row(model, rollout, True))
+    assert max(groups) == 1
+    for name, grad in together.items():
         assert (grad - grads[name]).abs().max() <= 1e-10, name
 
 

@@ -51,9 +51,9 @@ def _walked_sizes(monkeypatch) -> list[int]:
     walk = blocked._blocks
 
     def spy(*args):
-        for start, stop, pieces in walk(*args):
+        for start, stop, groups in walk(*args):
             sizes.append(stop - start)
-            yield start, stop, pieces
+            yield start, stop, groups
 
     monkeypatch.setattr(blocked, "_blocks", spy)
     return sizes
@@ -201,14 +201,19 @@ def test_visible_attention_grows_blocks_where_no_key_dies(monkeypatch):
     assert sizes[len(forward) :] == forward
 
 
-def test_visible_attention_keeps_blocks_where_a_grown_one_needs_a_mask(monkeypatch):
-    """No key dies, but one row sees an earlier key fewer than the others: a grown block would need a mask, so the run
-    keeps ``block`` (tried once per run); rows with gaps in their query positions never grow."""
+def test_visible_attention_grows_blocks_per_group_of_rows_that_see_different_numbers_of_keys(monkeypatch):
+    """No key dies, but row 0 sees an earlier key fewer than the others: per group of rows (row 0; rows 1-2) a grown
+    block needs no mask, so the run grows. Allowed a single group it would need one and keeps ``block`` (tried once
+    per run); rows with gaps in their query positions never grow."""
     monkeypatch.setattr(blocked, "DENSE_BLOCK", 16)
     sizes = _walked_sizes(monkeypatch)
     query, key, value, limit, query_pos = _case(5, 40, 10, 0.0)
     limit[:] = NEVER
     limit[0, 3] = int(query_pos[0, 0])  # row 0's earlier key 3 is dead from query 0 on: unequal counts, no death
+    _exact_with_gradients(query, key, value, limit, query_pos, 5, block=4)
+    assert sizes == [16, 16, 8] * 2, sizes
+    sizes.clear()
+    monkeypatch.setattr(blocked, "MAX_ROW_GROUPS", 1)
     _exact_with_gradients(query, key, value, limit, query_pos, 5, block=4)
     assert set(sizes) == {4}, sizes
     sizes.clear()
@@ -217,6 +222,55 @@ def test_visible_attention_keeps_blocks_where_a_grown_one_needs_a_mask(monkeypat
     query_pos = torch.where(torch.arange(40) < 20, query_pos, query_pos + 3)  # a gap: not consecutive positions
     _exact_with_gradients(query, key, value, limit, query_pos, 5, block=4)
     assert set(sizes) == {4}, sizes
+
+
+@pytest.mark.parametrize("grow", [True, False])
+def test_visible_attention_runs_rows_that_see_very_different_numbers_of_keys_apart(monkeypatch, grow):
+    """Mask row 1 (row 0's second KV head) sees 10 of 30 earlier keys, the others all of them (a longer row's prompt
+    beside a shorter row's completion): every block runs per group of rows, row 1 apart from rows 0, 2 and 3 (a row
+    index across the fold), with no mask over the surplus keys; output and gradients stay the full mask's. Both when
+    the blocks grow (no key dies) and in fixed blocks."""
+    walk, seen = blocked._blocks, []
+
+    def spy(*args):
+        for start, stop, groups in walk(*args):
+            seen.append([(group.rows.tolist(), [piece.mask is None for piece in group.pieces]) for group in groups])
+            yield start, stop, groups
+
+    monkeypatch.setattr(blocked, "_blocks", spy)
+    if not grow:
+        monkeypatch.setattr(blocked, "_death_indices", lambda *args: None)
+    rows, kv_heads, group = 2, 2, 2
+    query, key, value, limit, query_pos = _case(30, 24, 10, 1.0, rows=rows * kv_heads, group=group)
+    limit[:] = NEVER
+    limit[1, :20] = 0  # dead before every query
+    out = visible_attention(query, lambda k, v: (k, v), (key, value), limit, query_pos, 30, 0.4, block=4,
+                            fold=kv_heads)  # fmt: skip
+    expected = _naive(query, key, value, limit, query_pos, 30, 0.4).reshape(out.shape)
+    assert (out - expected).abs().max() <= 1e-12
+    grad_out = torch.randn_like(expected)
+    for grad, reference in zip(
+        torch.autograd.grad(out, (query, key, value), grad_out),
+        torch.autograd.grad(expected, (query, key, value), grad_out),
+        strict=True,
+    ):
+        assert (grad - reference).abs().max() <= 1e-12
+    assert len(seen) == (2 if grow else 12), len(seen)  # forward and backward
+    assert all(groups == [([1], [True, True]), ([0, 2, 3], [True, True])] for groups in seen), seen
+
+
+def test_rows_split_into_groups_of_about_the_same_count(monkeypatch):
+    split = blocked._split_rows
+    assert split([5, 5, 5], 0) is None
+    assert split([5, 9, 5], 4) is None  # within the tolerance: one group
+    assert split([5, 9, 5], 0) == [[0, 2], [1]]
+    assert split([30, 10, 30, 12], 0) == [[1], [3], [0, 2]]
+    assert split([30, 10, 30, 12], 4) == [[1, 3], [0, 2]]
+    monkeypatch.setattr(blocked, "MAX_ROW_GROUPS", 2)
+    assert split([0, 10, 20, 30, 40], 0) == [[0, 1, 2], [3, 4]]  # five counts: the tolerance widens to 20
+    assert split([0, 1, 40], 0) == [[0, 1], [2]]
+    monkeypatch.setattr(blocked, "MAX_ROW_GROUPS", 1)
+    assert split([5, 9, 5], 0) is None
 
 
 def test_visible_attention_of_no_queries_is_empty():
