@@ -191,12 +191,23 @@ def synthetic_evict_steps(
     return steps[..., :total].contiguous()
 
 
+def prompt_lengths(prompt_len: int, num_prompts: int, shortest: float) -> list[int]:
+    """The prompts' lengths: from ``prompt_len`` down to ``shortest`` times it, evenly (all ``prompt_len`` at 1)."""
+    steps = max(num_prompts - 1, 1)
+    return [max(1, round(prompt_len * (1 - (1 - shortest) * i / steps))) for i in range(num_prompts)]
+
+
 def synthetic_rollout(
     model_cfg: dict[str, Any], prompt_len: int, new_tokens: int, num_prompts: int, group: int,
-    pattern: MaskPattern | None, seed: int = 0,
+    pattern: MaskPattern | None, seed: int = 0, shortest: float = 1.0,
 ) -> Rollout:
-    """A full-length rollout (no padding, no EOS) of random tokens, with a synthetic shadow mask unless ``pattern``
-    is None (a dense rollout)."""
+    """A rollout of random tokens, every completion full-length (no EOS), with a synthetic shadow mask unless
+    ``pattern`` is None (a dense rollout). With ``shortest < 1`` the prompts are `prompt_lengths` long (left-padded
+    to the longest, as a batch of prompts of different lengths is), each with its own mask."""
+    if shortest < 1:
+        lengths = prompt_lengths(prompt_len, num_prompts, shortest)
+        return Rollout.cat([synthetic_rollout(model_cfg, length, new_tokens, 1, group, pattern, seed=seed + i)
+                            for i, length in enumerate(lengths)])  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
     vocab = model_cfg["vocab_size"]
     rows = num_prompts * group
@@ -457,7 +468,8 @@ def _cell_setup(spec: dict[str, Any]) -> tuple[torch.device, Callable[..., Rollo
 
     def make(mode: str, prompt_len: int = spec["prompt_len"], new_tokens: int = spec["new_tokens"]) -> Rollout:
         pattern = None if mode == "dense" else MaskPattern(**spec["pattern"])
-        return synthetic_rollout(cfg, prompt_len, new_tokens, spec["num_prompts"], group, pattern).to(device)
+        return synthetic_rollout(cfg, prompt_len, new_tokens, spec["num_prompts"], group, pattern,
+                                 shortest=spec["shortest_prompt"]).to(device)  # fmt: skip
 
     def step(mode: str, rollout: Rollout, clock: PhaseClock | None = None) -> None:
         if kind == "grpo":
@@ -645,7 +657,8 @@ def cell_spec(args: argparse.Namespace, model: str, mode: str, layout: str, prom
               pattern: MaskPattern, kind: str = "grpo", **extra: Any) -> dict[str, Any]:  # fmt: skip
     return {
         "model": model, "mode": mode, "layout": layout, "prompt_len": prompt_len, "new_tokens": new_tokens,
-        "num_prompts": args.num_prompts, "num_samples": args.num_samples, "kl_coef": args.kl_coef,
+        "num_prompts": args.num_prompts, "shortest_prompt": args.shortest_prompt, "num_samples": args.num_samples,
+        "kl_coef": args.kl_coef,
         "chunk_size": logits_chunk(args, model), "dtype": args.dtype, "device": args.device, "threads": args.threads,
         "repeats": args.repeats, "pattern": vars(pattern), "kind": kind, "in_process": args.in_process,
         "gradient_checkpointing": args.gradient_checkpointing,
@@ -774,12 +787,16 @@ def grid_tables(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     for model in dict.fromkeys(r["model"] for r in results):
         for sweep in dict.fromkeys(r["sweep"] for r in results if r["model"] == model):
             fixed = "completion" if sweep == "prompt" else "prompt"
+            spread = ""
+            if args.shortest_prompt < 1:
+                spread = f" (prompts from the {'swept' if sweep == 'prompt' else 'prompt'} length down to "
+                spread += f"{args.shortest_prompt:g} of it, left-padded)"
             spec = MODELS[model]
             out.append(
                 f"### {model} ({spec['family']}, {spec['num_layers']} layers, hidden {spec['hidden_size']}, "
                 f"{spec['num_heads']}/{spec['num_kv_heads']} heads, vocab {spec['vocab_size']}): {sweep} length, "
-                f"{fixed} {args.short} tokens, {args.num_prompts} prompt(s) x {args.num_samples} samples, logits in "
-                f"chunks of {logits_chunk(args, model)} rows\n"
+                f"{fixed} {args.short} tokens, {args.num_prompts} prompt(s) x {args.num_samples} samples"
+                f"{spread}, logits in chunks of {logits_chunk(args, model)} rows\n"
             )
             headers = ["length", "layout", "mask visible"] + [f"{mode} peak" for mode in args.modes] + [
                 f"{mode} time" for mode in args.modes]  # fmt: skip
@@ -945,6 +962,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     parser.add_argument("--layouts", nargs="+", choices=LAYOUTS, default=list(LAYOUTS))
     parser.add_argument("--num-prompts", type=int, default=1)
+    parser.add_argument("--shortest-prompt", type=float, default=1.0, metavar="FRACTION",
+                        help="prompts of different lengths: from the prompt length down to FRACTION of it over "
+                        "--num-prompts (>= 2) prompts, left-padded (default 1: all the same length)")
     parser.add_argument("--num-samples", type=int, default=2, help="completions per prompt (the GRPO group)")
     parser.add_argument("--kl-coef", type=float, default=0.1, help="SMD's lambda")
     parser.add_argument("--chunk-size", type=int, default=None,
@@ -1009,6 +1029,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         raise SystemExit("--phases times the phases of the grid's GRPO steps; --issue-table times single passes")
     if args.num_samples < 2:
         raise SystemExit(f"--num-samples must be >= 2 (a GRPO group), got {args.num_samples}")
+    if not 0 < args.shortest_prompt <= 1 or (args.shortest_prompt < 1 and args.num_prompts < 2):
+        raise SystemExit(f"--shortest-prompt must be in (0, 1], and below 1 needs --num-prompts >= 2; got "
+                         f"{args.shortest_prompt} with --num-prompts {args.num_prompts}")  # fmt: skip
     device = C.resolve_device(args.device)
     C.apply_threads(args.threads, device)  # what the workers use; the environment below records it
     env = C.environment(device)

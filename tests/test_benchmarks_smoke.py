@@ -164,6 +164,27 @@ def test_long_context_issue_table_times_each_view_beside_the_dense_one(run_all, 
     assert "pairs" in (tmp_path / "issue.md").read_text()
 
 
+def test_long_context_prompts_of_different_lengths(run_all, tmp_path):
+    """``--shortest-prompt``: a batch of prompts from the swept length down to a fraction of it, left-padded, each
+    with its own mask; a fraction without two prompts, or outside (0, 1], stops before any work, naming the flag."""
+    bench = importlib.import_module("bench_long_context")  # on the path while the run_all fixture holds it
+    assert bench.prompt_lengths(64, 3, 0.5) == [64, 48, 32]
+    assert bench.prompt_lengths(64, 1, 1.0) == [64]
+    cfg = bench.model_config("tiny")
+    rollout = bench.synthetic_rollout(cfg, 40, 8, 2, 2, bench.MaskPattern(window=4, sinks=1), shortest=0.5)
+    assert rollout.prompt_lengths.tolist() == [40, 40, 20, 20] and rollout.prompt_ids.shape == (4, 40)
+    assert rollout.shadow_mask.evict_steps.shape[1:3] == (4, cfg["num_kv_heads"])
+    out = tmp_path / "lc.json"
+    bench.main(["--quick", "--sweeps", "prompt", "--lengths", "64", "--modes", "dense", "smd", "--layouts", "per_row",
+                "--num-prompts", "2", "--shortest-prompt", "0.5", "--json", str(out), "--markdown",
+                str(tmp_path / "lc.md")])  # fmt: skip
+    assert all(row["status"] == "ok" for row in json.loads(out.read_text())["results"])
+    assert "down to 0.5 of it" in (tmp_path / "lc.md").read_text()
+    for bad in (["--shortest-prompt", "0.5"], ["--shortest-prompt", "0", "--num-prompts", "2"]):
+        with pytest.raises(SystemExit, match="--shortest-prompt"):
+            bench.main(["--quick", *bad])
+
+
 def test_long_context_synthetic_mask_follows_the_budget(run_all):
     bench = importlib.import_module("bench_long_context")  # on the path while the run_all fixture holds it
     import torch
