@@ -172,6 +172,8 @@ def _two_length_axes(saved, lengths):
 @pytest.mark.parametrize("layout", ["shared_prefix", "per_row"])
 def test_no_mask_or_scores_are_kept_for_backward(model64, layout, monkeypatch):
     import lit_smd.kv.blocked as blocked
+    import lit_smd.kv.packed as packed_module
+    import lit_smd.kv.rows as rows_module
 
     model = model64("qwen3")
     rollout = _rollout(model)
@@ -187,15 +189,12 @@ def test_no_mask_or_scores_are_kept_for_backward(model64, layout, monkeypatch):
     assert not [shape for shape, dtype in saved if dtype == torch.bool]
     assert not _two_length_axes(saved, lengths)
     # Without either, each block's mask (as SDPA's float mask) is kept: the check above can fail.
-    monkeypatch.setattr(blocked, "fused_blocks", lambda *args: False)
     monkeypatch.setattr(blocked, "PRUNE_BELOW", 0.0)  # full key ranges: the masks' last axis is a length above
     blocks = blocked.over_query_blocks
-    monkeypatch.setattr(blocked, "over_query_blocks", lambda run, n, block, recompute: blocks(run, n, block,
-                                                                                               recompute=False))
-    import lit_smd.kv.packed as packed_module
-
-    monkeypatch.setattr(packed_module, "over_query_blocks", blocked.over_query_blocks)
-    monkeypatch.setattr(packed_module, "fused_blocks", blocked.fused_blocks)
+    for module in (rows_module, packed_module):
+        monkeypatch.setattr(module, "fused_blocks", lambda *args: False)
+        monkeypatch.setattr(module, "over_query_blocks", lambda run, n, block, recompute: blocks(run, n, block,
+                                                                                                recompute=False))
     _, unchecked = _saved_tensors(lambda: learner_hidden_states(model, rollout, shadow=True, layout=layout))
     assert _two_length_axes(unchecked, lengths)
 
@@ -411,6 +410,7 @@ def test_query_blocks_and_pruned_keys_replay_the_rollout_exactly(model64, family
     blocks over pruned keys."""
     import lit_smd.kv.blocked as blocked
     import lit_smd.kv.packed as packed
+    import lit_smd.kv.rows as rows
 
     model = model64(family)
     if path == "visible" and getattr(model.config, "v_head_dim", None) not in (None, model.config.head_dim):
@@ -427,7 +427,7 @@ def test_query_blocks_and_pruned_keys_replay_the_rollout_exactly(model64, family
         spy = lambda *args: pruned.extend(p.index for p in pieces(*args)) or pieces(*args)  # noqa: E731
         monkeypatch.setattr(blocked, "_pieces", spy)
     else:
-        monkeypatch.setattr(blocked, "fused_blocks", lambda *args: False)
+        monkeypatch.setattr(rows, "fused_blocks", lambda *args: False)
         monkeypatch.setattr(packed, "fused_blocks", lambda *args: False)
         alive_index = blocked.alive_index
         monkeypatch.setattr(blocked, "MIN_BLOCK", 4)
@@ -621,6 +621,7 @@ def test_fused_blocks_give_the_checkpointed_blocks_gradients(model64, layout, mo
     blocks."""
     import lit_smd.kv.blocked as blocked
     import lit_smd.kv.packed as packed
+    import lit_smd.kv.rows as rows
 
     model = model64("qwen3", sliding_window=9)  # a windowed dense prompt: fused blocks in both views
     rollout = _rollout(model)
@@ -632,7 +633,7 @@ def test_fused_blocks_give_the_checkpointed_blocks_gradients(model64, layout, mo
     results = []
     for use_fused in (True, False):
         if not use_fused:
-            monkeypatch.setattr(blocked, "fused_blocks", lambda *args: False)
+            monkeypatch.setattr(rows, "fused_blocks", lambda *args: False)
             monkeypatch.setattr(packed, "fused_blocks", lambda *args: False)
         results.append(_logprobs_and_grads(
             model, rollout, lambda: learner_hidden_states(model, rollout, shadow=True, layout=layout).hidden

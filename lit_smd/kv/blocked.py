@@ -27,10 +27,8 @@ computed from the eviction steps where it is used. Two forms:
   (`torch.utils.checkpoint`), so the backward rebuilds the block's mask instead of keeping it. Its block size is
   chosen so that a mask holds about `BLOCK_ELEMENTS` entries, never fewer than `MIN_BLOCK` queries.
 
-`causal_rows_attention` is the per-row form (right-padded rows whose column is the logical position); the dense view
-without a sliding window needs no mask at all there (causal attention hides right padding from real queries) and runs
-SDPA's fused causal kernel. `lit_smd.kv.packed` uses both forms, `over_query_blocks` and `fold_kv_heads` for its
-slots.
+`lit_smd.kv.rows.causal_rows_attention` (the per-row layout) and `lit_smd.kv.packed` (the shared-prefix layout's
+slots) use both forms.
 """
 
 from __future__ import annotations
@@ -53,7 +51,6 @@ __all__ = [
     "VISIBLE_BLOCK",
     "alive_index",
     "block_attention",
-    "causal_rows_attention",
     "check_record_heads",
     "fold_kv_heads",
     "fused_blocks",
@@ -230,87 +227,6 @@ def check_record_heads(record_heads: int, kv_heads: int) -> int:
             "from a rollout of this model has one per KV head, or one for a latent-attention (MLA) model"
         )
     return record_heads
-
-
-def causal_rows_attention(
-    query: Tensor,
-    key: Tensor,
-    value: Tensor,
-    lengths: Tensor,
-    steps: Tensor | None,
-    scaling: float,
-    sliding_window: int | None,
-    features: AttentionFeatures,
-    dropout: float = 0.0,
-) -> Tensor:
-    """Attention of right-padded rows whose column index is the logical position.
-
-    Query ``i < lengths[b]`` of row ``b`` sees key ``j`` iff ``j <= i``, ``i - j < sliding_window`` (when set) and,
-    with ``steps``, ``i < steps[b, h, j]`` for its KV head ``h``. The padding keys are never evicted, so a padding
-    query (whose output predicts nothing) sees itself and the keys before it that a query there would: finite, and
-    no key dies over the padding, where the query blocks of `visible_attention` can then grow.
-
-    Args:
-        query: ``[B, H_q, T, D]``.
-        key: ``[B, H_kv, T, D]``.
-        value: ``[B, H_kv, T, D_v]``.
-        lengths: ``[B]`` real tokens per row.
-        steps: ``[B, H_kv, T]`` eviction steps of this layer (the shadow view), or None (the dense view).
-        scaling: Softmax scaling.
-        sliding_window: The layer's window, or None.
-        features: The layer's softcap and sinks.
-        dropout: Attention dropout probability.
-
-    Returns:
-        ``[B, H_q, T, D_v]``.
-    """
-    batch, q_heads, width, _ = query.shape
-    kv_heads = key.shape[1]
-    windowed = sliding_window is not None and sliding_window < width
-    if steps is None and not windowed and features.plain:
-        # Causal attention hides the right padding from every real query; padding queries see real keys too, and
-        # their outputs predict nothing. The fused causal kernel, no mask.
-        return attention(query, key, value, None, scaling, features, dropout=dropout)
-    device = query.device
-    lengths = lengths.to(device)
-    sinks = None
-    if steps is not None and steps.shape[1] > 1:  # one mask row per recorded KV head: the heads into the batch
-        record = check_record_heads(steps.shape[1], kv_heads)
-        query, sinks = fold_kv_heads(query, features, record)  # [B*Hkv, G, T, D]
-        key, value = key.reshape(batch * record, 1, width, -1), value.reshape(batch * record, 1, width, -1)
-        lengths = lengths.repeat_interleave(record)  # [B*Hkv]
-        steps = steps.reshape(batch * record, 1, -1)  # [B*Hkv, 1, T]
-    mask_rows = query.shape[0]
-    positions = torch.arange(width, device=device, dtype=torch.int32)  # [T]
-    limit = torch.full((mask_rows, width), NEVER, dtype=torch.int32, device=device) if steps is None else steps[:, 0]
-    limit = torch.where(positions < lengths[:, None], limit, NEVER)  # [B', T]; padding keys: never evicted
-    if windowed:
-        limit = torch.minimum(limit, positions + sliding_window)
-
-    if fused_blocks(query, value.shape[-1], features, dropout):
-        return visible_attention(query, _as_built, (key, value), limit, positions[None], 0, scaling,
-                                 fold=query.shape[0] // batch)  # [B, Hq, T, Dv]
-
-    def run(start: int, stop: int) -> Tensor:
-        lo = max(0, start - sliding_window + 1) if windowed else 0  # keys before lo are out of every query's window
-        query_pos = positions[None, start:stop]  # [1, Bq]
-
-        def prepare(key: Tensor, value: Tensor) -> tuple[Tensor, Tensor, Tensor, Tensor, int]:
-            # Keys [lo, start) precede the block (pruned to those alive at its start); [start, stop) are its own.
-            keys, values, kept, causal_from = live_keys(
-                key[:, :, lo:stop], value[:, :, lo:stop], limit[:, lo:stop], start - lo, start, prune=steps is not None
-            )
-            return keys, values, query_pos, kept, causal_from
-
-        return block_attention(
-            query[:, :, start:stop], prepare, (key, value), scaling, features, dropout=dropout, sinks=sinks
-        )
-
-    keys_per_block = width if not windowed else min(width, sliding_window + query_block(mask_rows, width, width))
-    block = query_block(mask_rows, width, keys_per_block)
-    grad = torch.is_grad_enabled() and any(t.requires_grad for t in (query, key, value))
-    out = over_query_blocks(run, width, block, recompute=grad)  # [B', H', T, Dv]
-    return out.reshape(batch, q_heads, width, out.shape[-1])
 
 
 # ------------------------------------------------------------------------------------------ visible-key blocks
@@ -622,10 +538,6 @@ class _VisibleBlocks(torch.autograd.Function):
         grads = iter(torch.autograd.grad([keys, values], wanted, [grad_keys, grad_values], allow_unused=True))
         rest = (next(grads) if leaf.requires_grad else None for leaf in leaves)
         return (grad_query, None, None, None, *rest)
-
-
-def _as_built(key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
-    return key, value
 
 
 def visible_attention(

@@ -53,10 +53,11 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from lit_smd.kv.blocked import NEVER, causal_rows_attention
+from lit_smd.kv.blocked import NEVER
 from lit_smd.kv.features import PLAIN, AttentionFeatures
 from lit_smd.kv.flex import Backend, flex_feature_attention, row_block_mask, use_flex
 from lit_smd.kv.flex_sorted import row_sorted_keys, sorted_attention
+from lit_smd.kv.rows import causal_rows_attention
 
 __all__ = ["NEVER", "AttentionPlan", "ShadowMask"]
 
