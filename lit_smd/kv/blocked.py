@@ -359,10 +359,10 @@ def _split_rows(counts: list[int], tolerance: int) -> list[list[int]] | None:
     if high - low <= tolerance:
         return None
     order = sorted(range(len(counts)), key=counts.__getitem__)
-    for tolerance in (tolerance, max(tolerance, -(-(high - low) // MAX_ROW_GROUPS))):  # noqa: B020
+    for allowed in (tolerance, max(tolerance, -(-(high - low) // MAX_ROW_GROUPS))):
         groups: list[list[int]] = []
         for row in order:
-            if not groups or counts[row] - counts[groups[-1][0]] > tolerance:
+            if not groups or counts[row] - counts[groups[-1][0]] > allowed:
                 groups.append([])
             groups[-1].append(row)
         if len(groups) <= MAX_ROW_GROUPS:
