@@ -59,17 +59,19 @@ def _walked_sizes(monkeypatch) -> list[int]:
     return sizes
 
 
+def _assert_exact(out, expected, inputs):
+    """``out`` and its gradients with respect to ``inputs`` equal ``expected``'s to 1e-12 (float64)."""
+    assert (out - expected).abs().max() <= 1e-12
+    grad_out = torch.randn_like(expected)
+    references = torch.autograd.grad(expected, inputs, grad_out)
+    for index, (grad, reference) in enumerate(zip(torch.autograd.grad(out, inputs, grad_out), references, strict=True)):
+        assert (grad - reference).abs().max() <= 1e-12, index
+
+
 def _exact_with_gradients(query, key, value, limit, query_pos, own_from, block):
     """`visible_attention`'s output and Q / K / V gradients equal the full mask's to 1e-12 (float64)."""
     out = visible_attention(query, lambda k, v: (k, v), (key, value), limit, query_pos, own_from, 0.3, block=block)
-    expected = _naive(query, key, value, limit, query_pos, own_from, 0.3)
-    assert (out - expected).abs().max() <= 1e-12
-    grad_out = torch.randn_like(expected)
-    grads = torch.autograd.grad(out, (query, key, value), grad_out)
-    for name, grad, reference in zip(
-        "qkv", grads, torch.autograd.grad(expected, (query, key, value), grad_out), strict=True
-    ):
-        assert (grad - reference).abs().max() <= 1e-12, name
+    _assert_exact(out, _naive(query, key, value, limit, query_pos, own_from, 0.3), (query, key, value))
 
 
 @pytest.mark.parametrize("own_from", [0, 5, 17])
@@ -115,13 +117,7 @@ def test_visible_attention_reaches_the_inputs_through_build_and_heads():
     inputs = (prompt_key, own_key, value)
     out = visible_attention(query, build, inputs, limit, query_pos, 6, 0.25, block=7)
     expected = _naive(query, torch.cat([prompt_key, own_key], dim=2), value, limit, query_pos, 6, 0.25)
-    assert (out - expected).abs().max() <= 1e-12
-    grad_out = torch.randn_like(expected)
-    wanted = (query, *inputs)
-    for grad, reference in zip(
-        torch.autograd.grad(out, wanted, grad_out), torch.autograd.grad(expected, wanted, grad_out), strict=True
-    ):
-        assert (grad - reference).abs().max() <= 1e-12
+    _assert_exact(out, expected, (query, *inputs))
 
 
 def test_visible_attention_without_gradient_matches():
@@ -160,14 +156,7 @@ def test_visible_attention_unfolds_kv_heads_into_the_output_heads():
     for bad in (0, 4, True):
         with pytest.raises(ValueError, match="fold"):
             visible_attention(query, lambda k, v: (k, v), (key, value), limit, query_pos, 5, 0.4, fold=bad)
-    assert (out - expected).abs().max() <= 1e-12
-    grad_out = torch.randn_like(expected)
-    for grad, reference in zip(
-        torch.autograd.grad(out, (query, key, value), grad_out),
-        torch.autograd.grad(expected, (query, key, value), grad_out),
-        strict=True,
-    ):
-        assert (grad - reference).abs().max() <= 1e-12
+    _assert_exact(out, expected, (query, key, value))
 
 
 def test_visible_attention_in_bfloat16_stays_within_its_rounding():
@@ -247,14 +236,7 @@ def test_visible_attention_runs_rows_that_see_very_different_numbers_of_keys_apa
     out = visible_attention(query, lambda k, v: (k, v), (key, value), limit, query_pos, 30, 0.4, block=4,
                             fold=kv_heads)  # fmt: skip
     expected = _naive(query, key, value, limit, query_pos, 30, 0.4).reshape(out.shape)
-    assert (out - expected).abs().max() <= 1e-12
-    grad_out = torch.randn_like(expected)
-    for grad, reference in zip(
-        torch.autograd.grad(out, (query, key, value), grad_out),
-        torch.autograd.grad(expected, (query, key, value), grad_out),
-        strict=True,
-    ):
-        assert (grad - reference).abs().max() <= 1e-12
+    _assert_exact(out, expected, (query, key, value))
     assert len(seen) == (2 if grow else 12), len(seen)  # forward and backward
     assert all(groups == [([1], [True, True]), ([0, 2, 3], [True, True])] for groups in seen), seen
 
