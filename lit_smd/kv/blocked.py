@@ -287,7 +287,9 @@ class _Group:
     pieces: list[_Piece]
 
 
-def _blocks(limit: Tensor, query_pos: Tensor, own_from: int, block: int, dtype: torch.dtype):
+def _blocks(
+    limit: Tensor, query_pos: Tensor, own_from: int, block: int, dtype: torch.dtype, counted: list[int] | None = None
+):
     """Yield ``(start, stop, groups)`` over the query blocks of `visible_attention` (``groups``: `_block_groups`):
     ``block`` queries each, halved (not below `MIN_BLOCK`) while a masked piece would hold more than
     `BLOCK_ELEMENTS` entries (many keys dying within the block). Where no key dies for longer than ``block`` queries
@@ -305,7 +307,7 @@ def _blocks(limit: Tensor, query_pos: Tensor, own_from: int, block: int, dtype: 
         if grows and start >= masked_until:
             grown = min(DENSE_BLOCK, run_end - start)
             if grown > size:
-                groups = _block_groups(limit, query_pos, own_from, start, start + grown, dtype, True, True)
+                groups = _block_groups(limit, query_pos, own_from, start, start + grown, dtype, True, True, counted)
                 if groups is not None and all(piece.mask is None for group in groups for piece in group.pieces):
                     yield start, start + grown, groups
                     start += grown
@@ -313,7 +315,9 @@ def _blocks(limit: Tensor, query_pos: Tensor, own_from: int, block: int, dtype: 
                 masked_until = run_end
         while True:
             quiet = deaths is not None and run_end >= start + size  # no key dies within the block
-            groups = _block_groups(limit, query_pos, own_from, start, start + size, dtype, size > MIN_BLOCK, quiet)
+            groups = _block_groups(
+                limit, query_pos, own_from, start, start + size, dtype, size > MIN_BLOCK, quiet, counted
+            )
             if groups is not None:
                 break
             size = max(MIN_BLOCK, size // 2)
@@ -323,7 +327,7 @@ def _blocks(limit: Tensor, query_pos: Tensor, own_from: int, block: int, dtype: 
 
 def _block_groups(
     limit: Tensor, query_pos: Tensor, own_from: int, start: int, stop: int, dtype: torch.dtype, bounded: bool,
-    quiet: bool,
+    quiet: bool, counted: list[int] | None = None,
 ) -> list[_Group] | None:
     """The pieces (`_pieces`) of query block ``[start, stop)``, for all its mask rows at once, or per group of rows
     (`_split_rows`) where they see different numbers of earlier keys (rows of different lengths: one row's queries
@@ -331,8 +335,14 @@ def _block_groups(
     unmasked keys as the row that sees fewest, and puts the other rows' surplus and the block's own keys under a
     mask; per group each row's visible keys go unmasked. Where a key dies within the block a mask is needed anyway,
     and rows whose counts differ by at most the block's queries stay together; where none does (``quiet``) any
-    difference splits, as the groups then need no mask. None when a mask would pass `BLOCK_ELEMENTS` with
-    ``bounded``."""
+    difference splits, as the groups then need no mask. Rows whose counted queries (``counted``) end before the
+    block are left out. None when a mask would pass `BLOCK_ELEMENTS` with ``bounded``."""
+    subset = None  # [B''] the rows with a counted query in the block, where some have none
+    if counted is not None and min(counted) <= start:
+        subset = torch.tensor([row for row, count in enumerate(counted) if count > start], device=limit.device)
+        if not len(subset):
+            return []
+        limit, query_pos = limit[subset], query_pos if query_pos.shape[0] == 1 else query_pos[subset]
     before = own_from + start
     settled = members = None
     if before:
@@ -340,7 +350,7 @@ def _block_groups(
         members = _split_rows(settled.sum(dim=1).tolist(), 0 if quiet else stop - start)
     if members is None:
         pieces = _pieces(limit, query_pos, own_from, start, stop, dtype, bounded, settled)
-        return None if pieces is None else [_Group(slice(None), pieces)]
+        return None if pieces is None else [_Group(slice(None) if subset is None else subset, pieces)]
     groups = []
     for member in members:
         rows = torch.tensor(member, device=limit.device)
@@ -348,7 +358,7 @@ def _block_groups(
         pieces = _pieces(limit[rows], positions, own_from, start, stop, dtype, bounded, settled[rows])
         if pieces is None:
             return None
-        groups.append(_Group(rows, pieces))
+        groups.append(_Group(rows if subset is None else subset[rows], pieces))
     return groups
 
 
@@ -466,16 +476,17 @@ class _VisibleBlocks(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, query, build, layout, scaling, *inputs):
-        limit, query_pos, own_from, block, fold = layout
+        limit, query_pos, own_from, block, fold, counted = layout
         with torch.no_grad():
             keys, values = build(*inputs)
         rows, heads, length = query.shape[:3]
         # [B, T, fold * H', Dv] in memory, [B, fold * H', T, Dv] to the caller: its transpose to [B, T, H, D] (the
         # output projection's input) is then a view, not a second copy of the output kept for the backward.
-        out = query.new_empty(rows // fold, length, fold * heads, values.shape[-1]).transpose(1, 2)
+        new = query.new_empty if counted is None else query.new_zeros  # blocks of padding are not computed: zeros
+        out = new(rows // fold, length, fold * heads, values.shape[-1]).transpose(1, 2)
         by_head = out.unflatten(1, (fold, heads))  # [B, fold, H', T, Dv], a view
         lse = None  # [B', H', T]
-        for start, stop, groups in _blocks(limit, query_pos, own_from, block, query.dtype):
+        for start, stop, groups in _blocks(limit, query_pos, own_from, block, query.dtype, counted):
             width = own_from + stop  # the keys the block may see
             for group in groups:
                 rows = group.rows
@@ -501,14 +512,14 @@ class _VisibleBlocks(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_out):
         query, out, lse, *inputs = ctx.saved_tensors
-        limit, query_pos, own_from, block, fold = ctx.layout
+        limit, query_pos, own_from, block, fold, counted = ctx.layout
         needs = ctx.needs_input_grad[4:]
         leaves = [x.detach().requires_grad_(need) for x, need in zip(inputs, needs, strict=True)]
         with torch.enable_grad():
             keys, values = ctx.build(*leaves)
         grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
-        grad_query = torch.empty_like(query)
-        for start, stop, groups in _blocks(limit, query_pos, own_from, block, query.dtype):
+        grad_query = torch.empty_like(query) if counted is None else torch.zeros_like(query)
+        for start, stop, groups in _blocks(limit, query_pos, own_from, block, query.dtype, counted):
             width = own_from + stop
             # [B, fold * H', Bq, D] -> [B', H', Bq, D], as the queries were folded (`fold_kv_heads`)
             block_grad = fold_kv_heads(grad_out[:, :, start:stop], PLAIN, fold)[0]
@@ -550,6 +561,7 @@ def visible_attention(
     scaling: float,
     block: int | None = None,
     fold: int = 1,
+    lengths: Tensor | None = None,
 ) -> Tensor:
     """Masked attention over query blocks, each attending only to the keys it can see, on the CPU's fused kernel.
 
@@ -571,11 +583,15 @@ def visible_attention(
         block: Queries per block (default `VISIBLE_BLOCK`).
         fold: Consecutive batch entries of ``query`` that are one row's KV heads (`fold_kv_heads`): the output
             unfolds them into its heads.
+        lengths: ``[B']`` the queries of each row that count, or None for all: a row's queries from
+            ``lengths[r]`` on (right padding) are not computed wherever a whole block of them is padding, and come
+            out zero there.
 
     Returns:
         ``[B' / fold, fold * H_q', T, D]``, laid out ``[B' / fold, T, fold * H_q', D]`` in memory.
     """
     if isinstance(fold, bool) or not isinstance(fold, int) or fold < 1 or query.shape[0] % fold:
         raise ValueError(f"fold must be a positive divisor of the query's batch size {query.shape[0]}, got {fold!r}")
-    layout = (limit, query_pos, own_from, block or VISIBLE_BLOCK, fold)
+    counted = None if lengths is None else lengths.tolist()  # [B'] ints: read once, on the host
+    layout = (limit, query_pos, own_from, block or VISIBLE_BLOCK, fold, counted)
     return _VisibleBlocks.apply(query, build, layout, scaling, *inputs)

@@ -42,9 +42,10 @@ def causal_rows_attention(
     """Attention of right-padded rows whose column index is the logical position.
 
     Query ``i < lengths[b]`` of row ``b`` sees key ``j`` iff ``j <= i``, ``i - j < sliding_window`` (when set) and,
-    with ``steps``, ``i < steps[b, h, j]`` for its KV head ``h``. The padding keys are never evicted, so a padding
-    query (whose output predicts nothing) sees itself and the keys before it that a query there would: finite, and
-    no key dies over the padding, where the query blocks of `visible_attention` can then grow.
+    with ``steps``, ``i < steps[b, h, j]`` for its KV head ``h``. A padding query's output predicts nothing: the
+    padding keys are never evicted, so one sees itself and the keys before it that a query there would (finite, and no
+    key dies over the padding); `visible_attention` does not compute the query blocks that lie wholly in a row's
+    padding (zeros there).
 
     Args:
         query: ``[B, H_q, T, D]``.
@@ -85,7 +86,7 @@ def causal_rows_attention(
 
     if fused_blocks(query, value.shape[-1], features, dropout):
         return visible_attention(query, _as_built, (key, value), limit, positions[None], 0, scaling,
-                                 fold=query.shape[0] // batch)  # [B, Hq, T, Dv]
+                                 fold=query.shape[0] // batch, lengths=lengths)  # [B, Hq, T, Dv]
 
     def run(start: int, stop: int) -> Tensor:
         lo = max(0, start - sliding_window + 1) if windowed else 0  # keys before lo are out of every query's window

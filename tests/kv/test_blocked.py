@@ -241,6 +241,34 @@ def test_visible_attention_runs_rows_that_see_very_different_numbers_of_keys_apa
     assert all(groups == [([1], [True, True]), ([0, 2, 3], [True, True])] for groups in seen), seen
 
 
+def test_visible_attention_leaves_out_the_blocks_past_a_rows_counted_queries(monkeypatch):
+    """Rows whose counted queries end early (right padding): a block that starts past a row's end leaves the row out,
+    and its queries there come out zero; every counted query, and the gradients through them, are the full mask's."""
+    walk, seen = blocked._blocks, []
+
+    def spy(*args):
+        for start, stop, groups in walk(*args):
+            rows = [torch.arange(3)[group.rows].tolist() for group in groups]
+            seen.append((start, stop, sorted(sum(rows, []))))
+            yield start, stop, groups
+
+    monkeypatch.setattr(blocked, "_blocks", spy)
+    query, key, value, limit, query_pos = _case(5, 40, 10, 0.5)
+    lengths = torch.tensor([40, 13, 27])
+    out = visible_attention(query, lambda k, v: (k, v), (key, value), limit, query_pos, 5, 0.3, block=4,
+                            lengths=lengths)  # fmt: skip
+    expected = _naive(query, key, value, limit, query_pos, 5, 0.3)
+    counted = (torch.arange(40)[None, :] < lengths[:, None])[:, None, :, None]  # [B', 1, T, 1]
+    _assert_exact(out * counted, expected * counted, (query, key, value))
+    forward = seen[: len(seen) // 2]
+    assert [rows for start, _, rows in forward] == [[row for row in range(3) if lengths[row] > start]
+                                                   for start, _, _ in forward]  # fmt: skip
+    assert any(len(rows) < 3 for _, _, rows in forward)
+    for start, stop, rows in forward:
+        for row in set(range(3)) - set(rows):
+            assert not out[row, :, start:stop].any()
+
+
 def test_rows_split_into_groups_of_about_the_same_count(monkeypatch):
     split = blocked._split_rows
     assert split([5, 5, 5], 0) is None
