@@ -191,23 +191,27 @@ def synthetic_evict_steps(
     return steps[..., :total].contiguous()
 
 
-def prompt_lengths(prompt_len: int, num_prompts: int, shortest: float) -> list[int]:
-    """The prompts' lengths: from ``prompt_len`` down to ``shortest`` times it, evenly (all ``prompt_len`` at 1)."""
-    steps = max(num_prompts - 1, 1)
-    return [max(1, round(prompt_len * (1 - (1 - shortest) * i / steps))) for i in range(num_prompts)]
+def spread_lengths(length: int, count: int, shortest: float) -> list[int]:
+    """``count`` lengths from ``length`` down to ``shortest`` times it, evenly (all ``length`` at 1)."""
+    steps = max(count - 1, 1)
+    return [max(1, round(length * (1 - (1 - shortest) * i / steps))) for i in range(count)]
 
 
 def synthetic_rollout(
     model_cfg: dict[str, Any], prompt_len: int, new_tokens: int, num_prompts: int, group: int,
-    pattern: MaskPattern | None, seed: int = 0, shortest: float = 1.0,
+    pattern: MaskPattern | None, seed: int = 0, shortest: float = 1.0, shortest_completion: float = 1.0,
 ) -> Rollout:
-    """A rollout of random tokens, every completion full-length (no EOS), with a synthetic shadow mask unless
-    ``pattern`` is None (a dense rollout). With ``shortest < 1`` the prompts are `prompt_lengths` long (left-padded
-    to the longest, as a batch of prompts of different lengths is), each with its own mask."""
-    if shortest < 1:
-        lengths = prompt_lengths(prompt_len, num_prompts, shortest)
-        return Rollout.cat([synthetic_rollout(model_cfg, length, new_tokens, 1, group, pattern, seed=seed + i)
-                            for i, length in enumerate(lengths)])  # fmt: skip
+    """A rollout of random tokens with a synthetic shadow mask unless ``pattern`` is None (a dense rollout): every
+    prompt ``prompt_len`` tokens and every completion ``new_tokens`` (no EOS). With ``shortest < 1`` the prompts are
+    `spread_lengths` long (left-padded to the longest, as a batch of prompts of different lengths is); with
+    ``shortest_completion < 1`` so are each prompt's completions (right-padded, as samples that ended early are, their
+    masks frozen at their end)."""
+    if shortest < 1 or shortest_completion < 1:
+        news = spread_lengths(new_tokens, group, shortest_completion)
+        return Rollout.cat([  # the samples of one prompt share its seed: the same prompt and prefill drops
+            synthetic_rollout(model_cfg, length, new, 1, 1, pattern, seed=seed + i)
+            for i, length in enumerate(spread_lengths(prompt_len, num_prompts, shortest)) for new in news
+        ])  # fmt: skip
     generator = torch.Generator().manual_seed(seed)
     vocab = model_cfg["vocab_size"]
     rows = num_prompts * group
@@ -469,7 +473,8 @@ def _cell_setup(spec: dict[str, Any]) -> tuple[torch.device, Callable[..., Rollo
     def make(mode: str, prompt_len: int = spec["prompt_len"], new_tokens: int = spec["new_tokens"]) -> Rollout:
         pattern = None if mode == "dense" else MaskPattern(**spec["pattern"])
         return synthetic_rollout(cfg, prompt_len, new_tokens, spec["num_prompts"], group, pattern,
-                                 shortest=spec["shortest_prompt"]).to(device)  # fmt: skip
+                                 shortest=spec["shortest_prompt"],
+                                 shortest_completion=spec["shortest_completion"]).to(device)  # fmt: skip
 
     def step(mode: str, rollout: Rollout, clock: PhaseClock | None = None) -> None:
         if kind == "grpo":
@@ -658,7 +663,7 @@ def cell_spec(args: argparse.Namespace, model: str, mode: str, layout: str, prom
     return {
         "model": model, "mode": mode, "layout": layout, "prompt_len": prompt_len, "new_tokens": new_tokens,
         "num_prompts": args.num_prompts, "shortest_prompt": args.shortest_prompt, "num_samples": args.num_samples,
-        "kl_coef": args.kl_coef,
+        "shortest_completion": args.shortest_completion, "kl_coef": args.kl_coef,
         "chunk_size": logits_chunk(args, model), "dtype": args.dtype, "device": args.device, "threads": args.threads,
         "repeats": args.repeats, "pattern": vars(pattern), "kind": kind, "in_process": args.in_process,
         "gradient_checkpointing": args.gradient_checkpointing,
@@ -791,6 +796,9 @@ def grid_tables(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
             if args.shortest_prompt < 1:
                 spread = f" (prompts from the {'swept' if sweep == 'prompt' else 'prompt'} length down to "
                 spread += f"{args.shortest_prompt:g} of it, left-padded)"
+            if args.shortest_completion < 1:
+                spread += f" (completions from the {'swept' if sweep == 'completion' else 'completion'} length "
+                spread += f"down to {args.shortest_completion:g} of it, right-padded)"
             spec = MODELS[model]
             out.append(
                 f"### {model} ({spec['family']}, {spec['num_layers']} layers, hidden {spec['hidden_size']}, "
@@ -965,6 +973,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--shortest-prompt", type=float, default=1.0, metavar="FRACTION",
                         help="prompts of different lengths: from the prompt length down to FRACTION of it over "
                         "--num-prompts (>= 2) prompts, left-padded (default 1: all the same length)")
+    parser.add_argument("--shortest-completion", type=float, default=1.0, metavar="FRACTION",
+                        help="completions of different lengths (samples that ended early): from the completion length "
+                        "down to FRACTION of it over each prompt's samples, right-padded (default 1: all full)")
     parser.add_argument("--num-samples", type=int, default=2, help="completions per prompt (the GRPO group)")
     parser.add_argument("--kl-coef", type=float, default=0.1, help="SMD's lambda")
     parser.add_argument("--chunk-size", type=int, default=None,
@@ -1032,6 +1043,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     if not 0 < args.shortest_prompt <= 1 or (args.shortest_prompt < 1 and args.num_prompts < 2):
         raise SystemExit(f"--shortest-prompt must be in (0, 1], and below 1 needs --num-prompts >= 2; got "
                          f"{args.shortest_prompt} with --num-prompts {args.num_prompts}")  # fmt: skip
+    if not 0 < args.shortest_completion <= 1:
+        raise SystemExit(f"--shortest-completion must be in (0, 1], got {args.shortest_completion}")
     device = C.resolve_device(args.device)
     C.apply_threads(args.threads, device)  # what the workers use; the environment below records it
     env = C.environment(device)

@@ -164,24 +164,39 @@ def test_long_context_issue_table_times_each_view_beside_the_dense_one(run_all, 
     assert "pairs" in (tmp_path / "issue.md").read_text()
 
 
-def test_long_context_prompts_of_different_lengths(run_all, tmp_path):
-    """``--shortest-prompt``: a batch of prompts from the swept length down to a fraction of it, left-padded, each
-    with its own mask; a fraction without two prompts, or outside (0, 1], stops before any work, naming the flag."""
+def test_long_context_prompts_and_completions_of_different_lengths(run_all, tmp_path):
+    """``--shortest-prompt`` / ``--shortest-completion``: prompts from the swept length down to a fraction of it,
+    left-padded, and each prompt's completions likewise, right-padded, every row with its own mask (a prompt's samples
+    share its tokens and prefill drops); a fraction outside (0, 1], or shorter prompts without two, stops before any
+    work, naming the flag."""
+    import torch
+
+    from lit_smd.kv import NEVER
+
     bench = importlib.import_module("bench_long_context")  # on the path while the run_all fixture holds it
-    assert bench.prompt_lengths(64, 3, 0.5) == [64, 48, 32]
-    assert bench.prompt_lengths(64, 1, 1.0) == [64]
+    assert bench.spread_lengths(64, 3, 0.5) == [64, 48, 32]
+    assert bench.spread_lengths(64, 1, 1.0) == [64]
     cfg = bench.model_config("tiny")
-    rollout = bench.synthetic_rollout(cfg, 40, 8, 2, 2, bench.MaskPattern(window=4, sinks=1), shortest=0.5)
+    pattern = bench.MaskPattern(window=4, sinks=1)
+    rollout = bench.synthetic_rollout(cfg, 40, 8, 2, 2, pattern, shortest=0.5, shortest_completion=0.5)
     assert rollout.prompt_lengths.tolist() == [40, 40, 20, 20] and rollout.prompt_ids.shape == (4, 40)
-    assert rollout.shadow_mask.evict_steps.shape[1:3] == (4, cfg["num_kv_heads"])
+    assert rollout.completion_lengths.tolist() == [8, 4, 8, 4]
+    assert torch.equal(rollout.prompt_ids[0], rollout.prompt_ids[1])
+    steps = rollout.shadow_mask.evict_steps  # [L, 4, H, 48]
+    assert steps.shape[1:3] == (4, cfg["num_kv_heads"])
+    assert torch.equal(steps[:, 0, :, :40] == 40, steps[:, 1, :, :40] == 40)  # the prompt's prefill drops, shared
+    assert bool((steps[:, 1, :, 44:] == NEVER).all())  # nothing recorded past the shorter completion's end
     out = tmp_path / "lc.json"
     bench.main(["--quick", "--sweeps", "prompt", "--lengths", "64", "--modes", "dense", "smd", "--layouts", "per_row",
-                "--num-prompts", "2", "--shortest-prompt", "0.5", "--json", str(out), "--markdown",
-                str(tmp_path / "lc.md")])  # fmt: skip
+                "--num-prompts", "2", "--shortest-prompt", "0.5", "--shortest-completion", "0.5", "--json", str(out),
+                "--markdown", str(tmp_path / "lc.md")])  # fmt: skip
     assert all(row["status"] == "ok" for row in json.loads(out.read_text())["results"])
-    assert "down to 0.5 of it" in (tmp_path / "lc.md").read_text()
-    for bad in (["--shortest-prompt", "0.5"], ["--shortest-prompt", "0", "--num-prompts", "2"]):
-        with pytest.raises(SystemExit, match="--shortest-prompt"):
+    text = (tmp_path / "lc.md").read_text()
+    assert "prompts from the swept length down to 0.5" in text and "completions from the completion length" in text
+    for bad, flag in ((["--shortest-prompt", "0.5"], "--shortest-prompt"),
+                      (["--shortest-prompt", "0", "--num-prompts", "2"], "--shortest-prompt"),
+                      (["--shortest-completion", "1.5"], "--shortest-completion")):  # fmt: skip
+        with pytest.raises(SystemExit, match=flag):
             bench.main(["--quick", *bad])
 
 
