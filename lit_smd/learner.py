@@ -415,9 +415,11 @@ def _pack(rollout: Rollout, rows: Tensor, group: Tensor, *, shadow: bool, backen
                             dtype=per_row.dtype, device=device)  # fmt: skip
         packed[group, slot] = per_row.permute(1, 0, 2, 3)
         steps = packed.permute(2, 0, 3, 1, 4).contiguous()  # [L, R, Hkv, S, W + N]
+    slot_lengths = torch.zeros(num_rows, num_slots, dtype=torch.long, device=device)  # [R, S]; empty slots 0
+    slot_lengths[group, slot] = completion_lengths[rows].to(device).clamp(max=new)
     plan = PackedPlan(
         prompt_lengths=lengths, prompt_width=width, num_slots=num_slots, slot_width=new, steps=steps, backend=backend,
-        capture_prompt_kv=capture,
+        capture_prompt_kv=capture, slot_lengths=slot_lengths,
     )  # fmt: skip
     # Completion token 0 is predicted by the last prompt token, token t >= 1 by slot column t - 1.
     predicting = width + slot[:, None] * new + t[None, :] - 1  # [b, N]

@@ -511,6 +511,40 @@ def test_rows_of_different_lengths_run_in_groups_and_replay_exactly(model64, mon
         assert (grad - grads[name]).abs().max() <= 1e-10, name
 
 
+@pytest.mark.parametrize("layout", ["shared_prefix", "per_row"])
+def test_query_blocks_past_a_rows_end_are_left_out_and_replay_exactly(model64, layout, monkeypatch):
+    """Completions that end early (here 12, 7, 3, 11, 7 and 12 of 12 tokens): the shadow view leaves out the query
+    blocks wholly past a row's (or a slot's) last token. The replay stays exact and the gradients are those of
+    checkpointed SDPA blocks, which compute every query."""
+    import lit_smd.kv.blocked as blocked
+    import lit_smd.kv.packed as packed
+    import lit_smd.kv.rows as rows
+
+    model = model64("qwen3")
+    rollout = _rollout(model)
+    monkeypatch.setattr(blocked, "VISIBLE_BLOCK", 3)
+    left_out, walk = [], blocked._blocks
+
+    def spy(limit, *args):
+        for start, stop, groups in walk(limit, *args):
+            left_out.append(limit.shape[0] - sum(len(torch.arange(limit.shape[0])[group.rows]) for group in groups))
+            yield start, stop, groups
+
+    monkeypatch.setattr(blocked, "_blocks", spy)
+
+    def hidden():
+        return learner_hidden_states(model, rollout, shadow=True, layout=layout).hidden
+
+    logprobs, grads = _logprobs_and_grads(model, rollout, hidden)
+    assert max(left_out) > 0, left_out
+    assert (logprobs - rollout.logprobs).abs().max() <= 1e-12
+    monkeypatch.setattr(rows, "fused_blocks", lambda *args: False)
+    monkeypatch.setattr(packed, "fused_blocks", lambda *args: False)
+    _, every_query = _logprobs_and_grads(model, rollout, hidden)
+    for name, grad in every_query.items():
+        assert (grad - grads[name]).abs().max() <= 1e-10, name
+
+
 def test_per_row_teacher_runs_in_row_chunks_with_the_same_states(model64, monkeypatch):
     """Without a shared prefix the dense teacher runs a few rows per decoder call (its transient is a chunk's, not the
     batch's): the same hidden states as one call."""

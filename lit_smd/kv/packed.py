@@ -85,6 +85,8 @@ class PackedPlan:
         prompt_kv: Layer index -> ``(keys [R, H_kv, W, D], values)``: filled by a capturing pass; in a slots-only
             pass (`for_slots`) the prompt keys the slot queries attend to.
         slots_only: The pass holds the slot columns only (``S*N`` tokens) and reads the prompt from ``prompt_kv``.
+        slot_lengths: ``[R, S]`` real tokens of each slot, or None for all ``N``: the shadow view leaves out the
+            query blocks wholly in a slot's padding (`lit_smd.kv.blocked.visible_attention`'s ``lengths``).
     """
 
     prompt_lengths: torch.Tensor
@@ -96,6 +98,7 @@ class PackedPlan:
     capture_prompt_kv: bool = False
     prompt_kv: dict[int, tuple[torch.Tensor, torch.Tensor]] = field(default_factory=dict, repr=False)
     slots_only: bool = False
+    slot_lengths: torch.Tensor | None = None
     _masks: dict[object, object] = field(default_factory=dict, repr=False)
 
     @property
@@ -204,8 +207,11 @@ class PackedPlan:
             # own keys causally; `_blocks` halves a block where padded prompts would need a large mask).
             block = None if shadow else min(new, DENSE_BLOCK)
             fold = record if shadow else 1  # [R*S, Hq, N, Dv] or [R, S*Hq, N, Dv]
+            counted = None  # the shadow view's slots: their padding's query blocks left out
+            if shadow and self.slot_lengths is not None:
+                counted = self.slot_lengths.to(device).reshape(rows * slots).repeat_interleave(record)  # [R*S*Hrec]
             out = visible_attention(queries, build, inputs[1:], limit, query_pos, width, scaling, block=block,
-                                    fold=fold)  # fmt: skip
+                                    fold=fold, lengths=counted)  # fmt: skip
         else:
             out = self._slot_blocks(queries, inputs, limit, row_lengths, per_slot, scaling, dropout, features, sinks)
         out = out.reshape(rows, slots, q_heads, new, out.shape[-1])
