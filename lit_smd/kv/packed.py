@@ -204,7 +204,7 @@ class PackedPlan:
 
             query_pos = row_lengths[:, None] + torch.arange(new, device=device, dtype=torch.int32)  # [B', N]
             # The dense view in blocks of `DENSE_BLOCK`: two kernel calls each (the earlier keys, then the block's
-            # own keys causally; `_blocks` halves a block where padded prompts would need a large mask).
+            # own keys causally; rows of padded prompts, which see different numbers of prompt keys, in groups).
             block = None if shadow else min(new, DENSE_BLOCK)
             fold = record if shadow else 1  # [R*S, Hq, N, Dv] or [R, S*Hq, N, Dv]
             counted = None  # the shadow view's slots: their padding's query blocks left out
