@@ -75,6 +75,20 @@ def _per_row(model, rollout, shadow):
     return learner_hidden_states(model, rollout, shadow=shadow, layout="per_row").hidden  # [B, N, H]
 
 
+def _spy_on_blocks(monkeypatch, record) -> None:
+    """Spy on `lit_smd.kv.blocked._blocks`: ``record(limit, start, stop, groups)`` for every query block walked."""
+    import lit_smd.kv.blocked as blocked
+
+    walk = blocked._blocks
+
+    def spy(limit, *args):
+        for start, stop, groups in walk(limit, *args):
+            record(limit, start, stop, groups)
+            yield start, stop, groups
+
+    monkeypatch.setattr(blocked, "_blocks", spy)
+
+
 def _assert_same(model, rollout, shadow, **kwargs):
     ref_lp, ref_grads = _logprobs_and_grads(model, rollout, lambda: _per_row(model, rollout, shadow))
     new_lp, new_grads = _logprobs_and_grads(
@@ -213,17 +227,15 @@ def test_dense_slot_attention_runs_whole_slots_with_bounded_masks(model64, lengt
     monkeypatch.setattr(blocked, "MIN_BLOCK", 2)
     monkeypatch.setattr(blocked, "VISIBLE_BLOCK", 4)  # the shadow view's block, shorter than a slot here
     monkeypatch.setattr(blocked, "MAX_ROW_GROUPS", max_groups)
-    blocks, masks, groups, walk = [], [], [], blocked._blocks
+    blocks, masks, groups = [], [], []
 
-    def spy(*args):
-        for start, stop, block_groups in walk(*args):
-            blocks.append(stop - start)
-            groups.append(len(block_groups))
-            pieces = [piece for group in block_groups for piece in group.pieces]
-            masks.extend(piece.mask.numel() for piece in pieces if piece.mask is not None)
-            yield start, stop, block_groups
+    def record(limit, start, stop, block_groups):
+        blocks.append(stop - start)
+        groups.append(len(block_groups))
+        pieces = [piece for group in block_groups for piece in group.pieces]
+        masks.extend(piece.mask.numel() for piece in pieces if piece.mask is not None)
 
-    monkeypatch.setattr(blocked, "_blocks", spy)
+    _spy_on_blocks(monkeypatch, record)
     packed = learner_hidden_states(model, rollout, shadow=False)
     assert packed._packing is not None and blocks
     if max_groups > 1:
@@ -458,14 +470,8 @@ def test_blocks_grow_where_no_key_dies_and_replay_exactly(model64, layout, monke
                        num_generations=GROUP, generator=generator)  # fmt: skip
     monkeypatch.setattr(blocked, "VISIBLE_BLOCK", 3)
     monkeypatch.setattr(blocked, "DENSE_BLOCK", 16)
-    sizes, walk = [], blocked._blocks
-
-    def spy(*args):
-        for start, stop, groups in walk(*args):
-            sizes.append(stop - start)
-            yield start, stop, groups
-
-    monkeypatch.setattr(blocked, "_blocks", spy)
+    sizes = []
+    _spy_on_blocks(monkeypatch, lambda limit, start, stop, groups: sizes.append(stop - start))
 
     def hidden():
         return learner_hidden_states(model, rollout, shadow=True, layout=layout).hidden
@@ -491,14 +497,8 @@ def test_rows_of_different_lengths_run_in_groups_and_replay_exactly(model64, mon
     model = model64("qwen3")
     rollout = _rollout(model)
     monkeypatch.setattr(blocked, "VISIBLE_BLOCK", 3)
-    groups, walk = [], blocked._blocks
-
-    def spy(*args):
-        for start, stop, block_groups in walk(*args):
-            groups.append(len(block_groups))
-            yield start, stop, block_groups
-
-    monkeypatch.setattr(blocked, "_blocks", spy)
+    groups = []
+    _spy_on_blocks(monkeypatch, lambda limit, start, stop, block_groups: groups.append(len(block_groups)))
 
     logprobs, grads = _logprobs_and_grads(model, rollout, lambda: _per_row(model, rollout, True))
     assert max(groups) >= 2, groups
@@ -523,14 +523,12 @@ def test_query_blocks_past_a_rows_end_are_left_out_and_replay_exactly(model64, l
     model = model64("qwen3")
     rollout = _rollout(model)
     monkeypatch.setattr(blocked, "VISIBLE_BLOCK", 3)
-    left_out, walk = [], blocked._blocks
+    left_out = []
 
-    def spy(limit, *args):
-        for start, stop, groups in walk(limit, *args):
-            left_out.append(limit.shape[0] - sum(len(torch.arange(limit.shape[0])[group.rows]) for group in groups))
-            yield start, stop, groups
+    def record(limit, start, stop, groups):
+        left_out.append(limit.shape[0] - sum(len(torch.arange(limit.shape[0])[group.rows]) for group in groups))
 
-    monkeypatch.setattr(blocked, "_blocks", spy)
+    _spy_on_blocks(monkeypatch, record)
 
     def hidden():
         return learner_hidden_states(model, rollout, shadow=True, layout=layout).hidden
