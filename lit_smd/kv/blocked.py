@@ -492,11 +492,12 @@ class _VisibleBlocks(torch.autograd.Function):
             for group in groups:
                 rows = group.rows
                 group_keys, group_values = keys[rows, :, :width], values[rows, :, :width]  # a copy for a row index
+                group_query = query[rows, :, start:stop]
                 parts = []
                 for piece in group.pieces:
                     parts.append(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-                        query[rows, :, start:stop], piece.take(group_keys), piece.take(group_values),
-                        is_causal=piece.causal, attn_mask=piece.mask, scale=scaling,
+                        group_query, piece.take(group_keys), piece.take(group_values), is_causal=piece.causal,
+                        attn_mask=piece.mask, scale=scaling,
                     ))  # fmt: skip
                 block_out, block_lse = _merge(parts)
                 if lse is None:
