@@ -792,13 +792,13 @@ def grid_tables(results: list[dict[str, Any]], args: argparse.Namespace) -> str:
     for model in dict.fromkeys(r["model"] for r in results):
         for sweep in dict.fromkeys(r["sweep"] for r in results if r["model"] == model):
             fixed = "completion" if sweep == "prompt" else "prompt"
-            spread = ""
-            if args.shortest_prompt < 1:
-                spread = f" (prompts from the {'swept' if sweep == 'prompt' else 'prompt'} length down to "
-                spread += f"{args.shortest_prompt:g} of it, left-padded)"
-            if args.shortest_completion < 1:
-                spread += f" (completions from the {'swept' if sweep == 'completion' else 'completion'} length "
-                spread += f"down to {args.shortest_completion:g} of it, right-padded)"
+            spread = "".join(
+                f" ({what}s from the {'swept' if sweep == what else what} length down to {fraction:g} of it, "
+                f"{side}-padded)"
+                for what, fraction, side in (("prompt", args.shortest_prompt, "left"),
+                                             ("completion", args.shortest_completion, "right"))
+                if fraction < 1
+            )  # fmt: skip
             spec = MODELS[model]
             out.append(
                 f"### {model} ({spec['family']}, {spec['num_layers']} layers, hidden {spec['hidden_size']}, "
