@@ -43,6 +43,7 @@ from torch import Tensor
 from torch.utils.checkpoint import checkpoint
 
 from lit_smd.kv.features import PLAIN, AttentionFeatures, attention, softmax_dtype
+from lit_smd.kv.visibility import additive_block_mask, block_mask
 
 __all__ = [
     "BLOCK_ELEMENTS",
@@ -100,27 +101,6 @@ def fused_blocks(query: Tensor, value_dim: int, features: AttentionFeatures, dro
     return query.device.type == "cpu" and features.plain and not dropout and value_dim == query.shape[-1]
 
 
-def block_mask(query_pos: Tensor, limit: Tensor, causal_from: int, dtype: torch.dtype | None) -> Tensor:
-    """The mask ``[B', 1, Bq, K]`` of a query block: query ``q`` sees key ``k`` iff ``query_pos[q] < limit[k]``,
-    and, for the block's own keys (columns ``causal_from`` on, in query order), iff the key is not after the query.
-
-    Args:
-        query_pos: ``[B' or 1, Bq]`` logical positions of the block's queries.
-        limit: ``[B', K]`` first position that no longer sees each key: its eviction step, capped by the sliding
-            window, 0 for padding keys that no query may see.
-        causal_from: First column of the block's own keys (``K - Bq`` of them, the key of query ``i`` at
-            ``causal_from + i``); earlier keys precede every query of the block.
-        dtype: None for a boolean mask (True = visible), else an additive mask in ``dtype`` (0 / -inf).
-    """
-    visible = query_pos[:, :, None] < limit[:, None, :]  # [B', Bq, K]
-    own = visible.shape[1]
-    visible[..., causal_from:] &= torch.ones(own, own, dtype=torch.bool, device=visible.device).tril_()  # not ahead
-    if dtype is None:
-        return visible[:, None]
-    # One pass over the float mask (the causal part applied on the booleans first): ~30% faster on the CPU.
-    return torch.zeros((), dtype=dtype, device=visible.device).where(visible, float("-inf"))[:, None]
-
-
 def block_attention(
     query: Tensor,
     prepare: Callable[..., tuple[Tensor, Tensor, Tensor, Tensor, int]],
@@ -135,7 +115,7 @@ def block_attention(
     query_pos, limit, causal_from)`` (see `block_mask`) -> ``[B', H_q', Bq, D_v]`` (SDPA with a boolean mask, or the
     explicit softmax of layers with features)."""
     keys, values, query_pos, limit, causal_from = prepare(*inputs)
-    visible = block_mask(query_pos, limit, causal_from, None)
+    visible = block_mask(query_pos, limit, causal_from)
     return attention(query, keys, values, visible, scaling, features, dropout=dropout, sinks=sinks)
 
 
@@ -448,7 +428,7 @@ def _pieces(
         index = index[:, :rest_count]  # padded with key 0, hidden by a zero limit
         padding = torch.arange(rest_count, device=limit.device) >= counts[:, None]
         rest_limit = torch.cat([limit.gather(1, index).masked_fill(padding, 0), own], dim=1)
-    mask = block_mask(query_pos, rest_limit, rest_count, dtype)
+    mask = additive_block_mask(query_pos, rest_limit, rest_count, dtype)
     pieces.append(_Piece(index, before, own_from + stop, mask=mask))
     return pieces
 

@@ -248,7 +248,7 @@ class PackedPlan:
         self, layer_idx: int, lengths: torch.Tensor, sliding_window: int | None, device: torch.device
     ) -> torch.Tensor:
         """``[R, S or 1, H_kv or 1, W + N]`` int32: the first logical query position that no longer sees each key
-        of ``[prompt | own slot]`` (`lit_smd.kv.blocked.block_mask`): its eviction step (shadow view), capped by
+        of ``[prompt | own slot]`` (`lit_smd.kv.visibility.block_mask`): its eviction step (shadow view), capped by
         the sliding window; 0 for the padding keys of the prompt region."""
         width, new = self.prompt_width, self.slot_width
         columns = torch.arange(width + new, device=device, dtype=torch.int32)  # [W + N]
