@@ -3,7 +3,8 @@
 One cell = one model, one sweep (long prompt with a short completion, or short prompt with a long completion), one
 length and one learner layout. Every step is the code of `lit_smd.modules.GRPOModule.training_step` on one on-policy
 batch, called through the same functions (`lit_smd.modules._grpo_smd.grpo_pass`, which runs
-`lit_smd.learner.learner_hidden_states`; the chunked log-prob head `lit_smd.losses.token_logprobs_and_entropy`;
+`lit_smd.learner.learner_hidden_states`; the chunked log-prob head `lit_smd.losses.token_logprobs_and_entropy`, for
+``smd`` `lit_smd.losses.token_logprobs` without gradient;
 `lit_smd.losses.group_advantages` and `lit_smd.losses.policy_loss`; for ``smd`` the shadow-masked pass plus
 `lit_smd.modules._grpo_smd.smd_loss_and_kl`, the KL to the no-grad dense teacher `lit_smd.learner.dense_hidden_states`
 with the policy gradient pushed through the head in the same pass), then ``loss.backward()``. No optimizer step.
@@ -94,7 +95,7 @@ import torch
 
 from lit_smd.kv import NEVER, ShadowMask
 from lit_smd.learner import learner_hidden_states, score
-from lit_smd.losses import group_advantages, policy_loss, token_logprobs_and_entropy
+from lit_smd.losses import group_advantages, policy_loss, token_logprobs, token_logprobs_and_entropy
 from lit_smd.losses.head import CPU_CHUNK_BYTES, logits_chunk_rows, output_head
 from lit_smd.modules._grpo_smd import grpo_pass, smd_loss_and_kl
 from lit_smd.rollout import Rollout, generate
@@ -354,16 +355,19 @@ def grpo_learner_step(
     teacher = smd and kl_coef > 0
     learner = grpo_pass(policy, rollout, layout, shadow=smd, keep_prompt_kv=teacher)
     mark("pass")
-    with torch.set_grad_enabled(not teacher):  # smd: the policy term's gradient reaches the head in the KL's pass
-        logprobs, _ = token_logprobs_and_entropy(learner.hidden, output_head(policy), rollout.completion_ids,
-                                                 chunk_size=chunk_size)  # fmt: skip
-    if teacher:
+    head, ids = output_head(policy), rollout.completion_ids
+    if teacher:  # smd: the policy term's gradient reaches the head in the KL's pass, which gives the entropy
+        with torch.no_grad():
+            logprobs = token_logprobs(learner.hidden, head, ids, chunk_size=chunk_size)
         logprobs.requires_grad_()
+    else:
+        logprobs, _ = token_logprobs_and_entropy(learner.hidden, head, ids, chunk_size=chunk_size)
     loss = policy_loss(logprobs, logprobs.detach(), advantages, rollout.completion_mask, loss_type="grpo").loss
     mark("head")
     if teacher:
-        loss, _ = smd_loss_and_kl(policy, rollout, learner, rollout.completion_mask, loss, logprobs, kl_coef=kl_coef,
-                                  temperature=1.0, chunk_size=chunk_size, phase_owner=clock)  # fmt: skip
+        loss, _, _ = smd_loss_and_kl(policy, rollout, learner, rollout.completion_mask, loss, logprobs,
+                                     kl_coef=kl_coef, temperature=1.0, chunk_size=chunk_size,
+                                     phase_owner=clock)  # fmt: skip
         mark("kl")
     loss.backward()
     mark("backward")

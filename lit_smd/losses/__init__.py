@@ -12,7 +12,12 @@ from lit_smd.losses.grpo import (
 )
 from lit_smd.losses.kl import KLOutput, chunked_token_kl, sampled_reverse_kl, token_kl
 from lit_smd.losses.kl_topk import topk_token_kl
-from lit_smd.losses.logprobs import kl_with_policy_grad, token_logprobs_and_entropy, token_logprobs_and_kl
+from lit_smd.losses.logprobs import (
+    kl_with_policy_grad,
+    token_logprobs,
+    token_logprobs_and_entropy,
+    token_logprobs_and_kl,
+)
 from lit_smd.losses.rollout_correction import RolloutCorrection, RolloutCorrectionOutput, rollout_correction
 from lit_smd.losses.sparse_rl import SparseRLConfig, SparseRLCorrection, sparse_rl_correction
 
@@ -35,6 +40,7 @@ __all__ = [
     "sampled_reverse_kl",
     "sparse_rl_correction",
     "token_kl",
+    "token_logprobs",
     "token_logprobs_and_entropy",
     "token_logprobs_and_kl",
     "topk_token_kl",

@@ -118,14 +118,15 @@ def smd_loss_and_kl(
     temperature: float,
     chunk_size: int,
     phase_owner: object = None,
-) -> tuple[Tensor, KLOutput]:
+) -> tuple[Tensor, KLOutput, Tensor]:
     """The step's loss ``policy_loss + kl_coef * KL(sg[dense] || masked)``, in value and gradient, with the policy
-    term's gradient pushed through the lm_head in the KL's pass (`lit_smd.losses.logprobs.kl_with_policy_grad`).
+    term's gradient pushed through the lm_head in the KL's pass (`lit_smd.losses.logprobs.kl_with_policy_grad`), and
+    the masked view's entropy per token from that pass.
 
-    ``logprobs`` are the masked pass's log-probs taken without gradient (``token_logprobs_and_entropy`` on
-    ``masked.hidden`` under ``no_grad``), made a leaf that requires grad before ``policy_loss`` was computed from them:
-    five vocabulary projections per chunk in all, against six when the log-probs carry the gradient
-    (`lit_smd.losses.logprobs.token_logprobs_and_kl`).
+    ``logprobs`` are the masked pass's log-probs taken without gradient (``token_logprobs`` on ``masked.hidden``
+    under ``no_grad``: no entropy, which the KL's pass computes anyway), made a leaf that requires grad before
+    ``policy_loss`` was computed from them: five vocabulary projections per chunk in all, against six when the
+    log-probs carry the gradient (`lit_smd.losses.logprobs.token_logprobs_and_kl`).
 
     Args:
         policy: The policy.
@@ -140,7 +141,9 @@ def smd_loss_and_kl(
         phase_owner: Whose ``phase_listeners`` hear the dense teacher pass as the ``"teacher"`` phase.
 
     Returns:
-        ``(loss, kl)``: the scalar loss to back-propagate and the KL's detached `KLOutput` (``forward_kl`` its value).
+        ``(loss, kl, entropy)``: the scalar loss to back-propagate, the KL's detached `KLOutput` (``forward_kl`` its
+        value) and the ``[B, N]`` entropy of the masked view's temperature-scaled distribution (detached; what
+        ``token_logprobs_and_entropy`` gives).
     """
     if policy_loss.requires_grad:
         (logprob_grad,) = torch.autograd.grad(policy_loss, logprobs)  # [B, N]
@@ -149,8 +152,9 @@ def smd_loss_and_kl(
     head = output_head(policy)
     with torch.no_grad(), report_phase(phase_owner, "teacher"):
         dense_hidden = dense_hidden_states(policy, rollout, masked)  # [B, N, H]
+    entropy = logprobs.new_empty(logprobs.shape, requires_grad=False)  # [B, N]
     head_loss, kl = kl_with_policy_grad(
         masked.hidden, head, rollout.completion_ids, logprob_grad, dense_hidden, head, kl_coef=kl_coef,
-        temperature=temperature, mask=mask, chunk_size=chunk_size,
+        temperature=temperature, mask=mask, chunk_size=chunk_size, entropy_out=entropy,
     )  # fmt: skip
-    return policy_loss.detach() + head_loss, kl
+    return policy_loss.detach() + head_loss, kl, entropy

@@ -103,7 +103,7 @@ from lit_smd.lora import LoraSettings, check_lora
 from lit_smd.losses.grpo import LossType, ScaleRewards, policy_loss
 from lit_smd.losses.head import output_head
 from lit_smd.losses.kl import KLOutput
-from lit_smd.losses.logprobs import token_logprobs_and_entropy
+from lit_smd.losses.logprobs import token_logprobs, token_logprobs_and_entropy
 from lit_smd.losses.rollout_correction import RolloutCorrection, rollout_correction
 from lit_smd.losses.sparse_rl import SparseRLConfig
 from lit_smd.models import Quantization, load_causal_lm
@@ -344,8 +344,9 @@ class GRPOModule(LightningModule):
         keep_prompt_kv = smd_teacher and self.kl_stop_gradient == "dense"  # the dense teacher reuses the prompt
         learner = self._pass(self.policy, rollout, shadow=self.uses_shadow_view, keep_prompt_kv=keep_prompt_kv)
         if keep_prompt_kv:  # without gradient: the policy term's reaches the head in the KL's pass (smd_loss_and_kl)
-            with torch.no_grad():
-                logprobs, entropy = self._token_logprobs(self.policy, learner.hidden, rollout.completion_ids)
+            with torch.no_grad():  # no entropy: the KL's pass gives it
+                logprobs = token_logprobs(learner.hidden, output_head(self.policy), rollout.completion_ids,
+                                          temperature=self.temperature, chunk_size=self._chunk_rows())  # fmt: skip
             logprobs.requires_grad_()  # [B, N], the leaf the policy loss's gradient is taken at
         else:
             logprobs, entropy = self._token_logprobs(self.policy, learner.hidden, rollout.completion_ids)  # [B, N] x2
@@ -365,15 +366,15 @@ class GRPOModule(LightningModule):
         loss_parts = {"train/policy_loss": out.policy_loss}  # the terms of the loss, for the non-finite guard
         if self.beta > 0:
             loss_parts["train/kl_ref"] = out.kl
-        metrics |= policy_metrics(out, entropy, rollout.completion_mask)
         if keep_prompt_kv:
-            loss, kl = smd_loss_and_kl(
+            loss, kl, entropy = smd_loss_and_kl(
                 self.policy, rollout, learner, batch.loss_mask, loss, logprobs, kl_coef=self.kl_coef,
                 temperature=self.temperature, chunk_size=self._chunk_rows(), phase_owner=self,
             )  # fmt: skip
         elif smd_teacher:  # kl_stop_gradient="masked": the dense pass is the student
             kl = self.smd_kl(rollout, batch.loss_mask, masked=learner)
             loss = loss + self.kl_coef * kl.loss
+        metrics |= policy_metrics(out, entropy, rollout.completion_mask)
         if smd_teacher:
             loss_parts["smd/kl"] = kl.loss
             metrics["smd/kl"] = kl.forward_kl if self.kl_stop_gradient == "dense" else kl.reverse_kl

@@ -16,6 +16,7 @@ from lit_smd.losses import (
     policy_loss,
     sampled_reverse_kl,
     token_kl,
+    token_logprobs,
     token_logprobs_and_entropy,
     topk_token_kl,
 )
@@ -256,6 +257,10 @@ LOSS_ERRORS = [
      r"temperature must be > 0 and finite, got inf"),
     ("token_logprobs: zero chunk",
      lambda: token_logprobs_and_entropy(HIDDEN, OutputHead(WEIGHT), TOKEN_IDS, chunk_size=0),
+     r"chunk_size must be an integer >= 1, got 0"),
+    ("token_logprobs (alone): ids shape", lambda: token_logprobs(HIDDEN, OutputHead(WEIGHT), TOKEN_IDS[:, :2]),
+     r"hidden must have shape \[\*ids.shape, H\]: got hidden \(2, 3, 4\) and ids \(2, 2\)"),
+    ("token_logprobs (alone): zero chunk", lambda: token_logprobs(HIDDEN, OutputHead(WEIGHT), TOKEN_IDS, chunk_size=0),
      r"chunk_size must be an integer >= 1, got 0"),
     ("SparseRLConfig: lower", lambda: SparseRLConfig(lower=1.5), r"`lower` must be in \(0, 1\], got 1\.5"),
     ("SparseRLConfig: veto", lambda: SparseRLConfig(veto_threshold=0.0),

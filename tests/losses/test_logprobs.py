@@ -6,7 +6,12 @@ import torch
 
 from lit_smd.losses.head import LogitTransform, OutputHead
 from lit_smd.losses.kl import chunked_token_kl, token_kl
-from lit_smd.losses.logprobs import kl_with_policy_grad, token_logprobs_and_entropy, token_logprobs_and_kl
+from lit_smd.losses.logprobs import (
+    kl_with_policy_grad,
+    token_logprobs,
+    token_logprobs_and_entropy,
+    token_logprobs_and_kl,
+)
 
 SOFTCAP = LogitTransform(scale=0.5, softcap=2.0)
 
@@ -151,3 +156,35 @@ def test_kl_with_policy_grad_checks_its_arguments():
         kl_with_policy_grad(hidden, head, ids, grad, hidden.detach(), OutputHead(torch.randn(12, 8)), kl_coef=0.1)
     with pytest.raises(ValueError, match="mask shape"):
         kl_with_policy_grad(hidden, head, ids, grad, hidden.detach(), head, kl_coef=0.1, mask=torch.ones(2, 6) > 0)
+
+
+@pytest.mark.parametrize("transform", [LogitTransform(), SOFTCAP], ids=["plain", "softcap"])
+def test_token_logprobs_are_those_of_token_logprobs_and_entropy_bit_for_bit(transform):
+    """Values and gradients equal to `token_logprobs_and_entropy`'s (the same ops per chunk, the entropy left out),
+    which the tests above hold against materialised float64 logits."""
+    hidden, weight, bias, ids = _inputs(12)
+    head = OutputHead(weight, bias, transform)
+    upstream = torch.randn(2, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(13))
+    alone = token_logprobs(hidden, head, ids, temperature=0.7, chunk_size=3)
+    beside, _ = token_logprobs_and_entropy(hidden, head, ids, temperature=0.7, chunk_size=3)
+    assert torch.equal(alone, beside)
+    params = (hidden, weight, bias)
+    for got, want in zip(torch.autograd.grad((alone * upstream).sum(), params),
+                         torch.autograd.grad((beside * upstream).sum(), params), strict=True):  # fmt: skip
+        assert torch.equal(got, want)
+
+
+def test_kl_with_policy_grad_writes_the_student_entropy_per_token():
+    hidden, weight, bias, ids = _inputs(14)
+    head = OutputHead(weight, bias)
+    teacher_hidden = _inputs(15)[0].detach()
+    _, expected = token_logprobs_and_entropy(hidden, head, ids, temperature=0.7, chunk_size=3)
+    entropy = torch.full((2, 7), float("nan"), dtype=torch.float64)
+    mask = torch.ones(2, 7, dtype=torch.bool)
+    mask[1, 4:] = False  # the entropy of every token, not only the KL's
+    kl_with_policy_grad(hidden, head, ids, torch.zeros(2, 7), teacher_hidden, head, kl_coef=0.3, temperature=0.7,
+                        mask=mask, chunk_size=3, entropy_out=entropy)  # fmt: skip
+    assert torch.equal(entropy, expected)
+    with pytest.raises(ValueError, match=r"entropy_out must have ids' shape \(2, 7\), got \(14,\)"):
+        kl_with_policy_grad(hidden, head, ids, torch.zeros(2, 7), teacher_hidden, head, kl_coef=0.3,
+                            entropy_out=entropy.view(-1))  # fmt: skip
