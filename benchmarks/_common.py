@@ -7,6 +7,7 @@ Not a benchmark itself. Each ``bench_*.py`` script imports it as ``_common`` (th
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import platform
 import statistics
@@ -54,6 +55,33 @@ def apply_threads(threads: int | None, device: torch.device) -> None:
 def synchronize(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def proc_status_kib(field: str, pid: int | str = "self") -> int:
+    """A ``kB`` field of ``/proc/<pid>/status`` (``VmRSS``, ``VmHWM``; Linux)."""
+    with open(f"/proc/{pid}/status") as status:
+        for line in status:
+            if line.startswith(field + ":"):
+                return int(line.split()[1])
+    raise RuntimeError(f"{field} not in /proc/{pid}/status")
+
+
+def reset_resident_peak() -> int:
+    """Reset this process's resident high-water mark (``VmHWM``) to its current resident size and return that size in
+    bytes, the base a later ``VmHWM`` read is never below (Linux).
+
+    ``clear_refs`` stores the current size as the mark, and a ``VmHWM`` read reports the larger of the stored mark and
+    the current size; but the kernel raises the stored mark only lazily (when memory is unmapped). A page that became
+    resident between the reset and the base read put the base above the stored mark, and a tiny step that then gave
+    memory back read a rise of -4 KiB. Unmapping a page touched after the base read makes the kernel store the mark
+    there (at most one page above the base).
+    """
+    with open("/proc/self/clear_refs", "w") as clear_refs:
+        clear_refs.write("5")
+    base = proc_status_kib("VmHWM") * 1024
+    with mmap.mmap(-1, mmap.PAGESIZE) as page:
+        page[0] = 1  # resident; the unmap on leaving stores the high-water mark
+    return base
 
 
 def time_call(fn: Callable[[], Any], device: torch.device, *, repeats: int, warmup: int = 1) -> dict[str, Any]:

@@ -14,7 +14,8 @@ the ratio with those subtracted ("logit-side"), which is what chunking can shrin
 - CUDA: ``torch.cuda.max_memory_allocated()`` after ``reset_peak_memory_stats()``, in this process.
 - CPU: each (variant, vocab) runs in its own subprocess with glibc's ``MALLOC_MMAP_THRESHOLD_`` fixed at 64 KiB, so
   every large tensor is its own mapping and returns to the OS when freed (resident memory tracks live tensors). The
-  process resets its peak resident set size (``/proc/self/clear_refs``) before the pass and reports ``VmHWM - VmRSS``.
+  process resets its peak resident set size before the pass (``_common.reset_resident_peak``) and reports ``VmHWM``
+  minus the size at the reset.
 
 Time is the median over ``--repeats`` passes in this process, the two variants' passes interleaved so both see the
 same machine load. Defaults: CUDA runs 4096 tokens with ``chunk_size`` 1024 in bfloat16; CPU (no GPU) runs 512
@@ -36,6 +37,7 @@ import sys
 import time
 from typing import Any
 
+import _common as C
 import torch
 
 from lit_smd.losses.head import OutputHead
@@ -76,14 +78,6 @@ def _step(variant: str, inputs: dict[str, Any], args: argparse.Namespace) -> flo
     return value
 
 
-def _proc_status_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 def _peak_memory(variant: str, vocab: int, args: argparse.Namespace) -> int:
     """Peak bytes above the pre-pass level of one forward + backward of ``variant``, after a warm-up pass."""
     device, dtype = torch.device(args.device), getattr(torch, args.dtype)
@@ -96,11 +90,9 @@ def _peak_memory(variant: str, vocab: int, args: argparse.Namespace) -> int:
         torch.cuda.reset_peak_memory_stats()
         _step(variant, inputs, args)
         return torch.cuda.max_memory_allocated() - base
-    with open("/proc/self/clear_refs", "w") as clear_refs:
-        clear_refs.write("5")  # reset the peak resident set size (VmHWM) to the current one
-    base = _proc_status_kib("VmRSS")
+    base = C.reset_resident_peak()
     _step(variant, inputs, args)
-    return (_proc_status_kib("VmHWM") - base) * 1024
+    return C.proc_status_kib("VmHWM") * 1024 - base
 
 
 def _peak_memory_in_subprocess(variant: str, vocab: int, args: argparse.Namespace) -> int:

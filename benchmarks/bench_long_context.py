@@ -384,14 +384,6 @@ def issue_pass(policy, rollout: Rollout, layout: str, shadow: bool, chunk_size: 
 # ------------------------------------------------------------------------------------------------ memory probes
 
 
-def _proc_kib(field: str, pid: int | str = "self") -> int:
-    with open(f"/proc/{pid}/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/{pid}/status")
-
-
 M_TRIM_THRESHOLD, M_MMAP_THRESHOLD = -1, -3  # glibc mallopt parameters
 MEMORY_MMAP_THRESHOLD = 64 * 1024
 TIMING_MMAP_THRESHOLD = CPU_CHUNK_BYTES  # glibc's dynamic threshold at its 64-bit maximum (DEFAULT_MMAP_THRESHOLD_MAX)
@@ -442,17 +434,13 @@ class Probe:
             torch.cuda.reset_peak_memory_stats()
             self.base = torch.cuda.memory_allocated()
         else:
-            with open("/proc/self/clear_refs", "w") as clear_refs:
-                clear_refs.write("5")  # resets VmHWM to the current resident size
-            # the mark just reset, not VmRSS read after it: a page the allocator gives back between the two reads made
-            # the rise of a tiny step -4 KiB (the high-water mark only grows from here)
-            self.base = _proc_kib("VmHWM") * 1024
+            self.base = C.reset_resident_peak()
 
     def rise(self) -> int:
         if self.cuda:
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() - self.base
-        return _proc_kib("VmHWM") * 1024 - self.base
+        return C.proc_status_kib("VmHWM") * 1024 - self.base
 
 
 def _zero_grad(model) -> None:
@@ -529,10 +517,10 @@ def run_cell(spec: dict[str, Any]) -> dict[str, Any]:
         use_allocator("memory")  # freed blocks leave the resident size
     kept = None
     if keeps_kernels_per_shape(spec):
-        before = _proc_kib("VmRSS") * 1024
+        before = C.proc_status_kib("VmRSS") * 1024
         step(mode, rollout)
         gc.collect()
-        kept = _proc_kib("VmRSS") * 1024 - before
+        kept = C.proc_status_kib("VmRSS") * 1024 - before
     probe.start()
     base = probe.base
     step(mode, rollout)
@@ -587,7 +575,7 @@ def run_worker(spec: dict[str, Any], limit_bytes: int, max_seconds: float) -> di
         start = time.perf_counter()
         while proc.poll() is None:
             try:
-                rss = _proc_kib("VmRSS", proc.pid) * 1024
+                rss = C.proc_status_kib("VmRSS", proc.pid) * 1024
             except (OSError, RuntimeError):
                 rss = 0
             verdict["max_rss_seen"] = max(verdict.get("max_rss_seen", 0), rss)

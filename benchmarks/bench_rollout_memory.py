@@ -75,14 +75,6 @@ def _variants(args: argparse.Namespace) -> list[str]:
 
 
 # -- memory probes ------------------------------------------------------------------------------------------------
-def _proc_kib(field: str) -> int:
-    with open("/proc/self/status") as status:
-        for line in status:
-            if line.startswith(field + ":"):
-                return int(line.split()[1])
-    raise RuntimeError(f"{field} not in /proc/self/status")
-
-
 class _Probe:
     """Current and peak memory of one device; ``reset()`` starts a new peak window."""
 
@@ -90,17 +82,16 @@ class _Probe:
         self.cuda = device.type == "cuda"
 
     def current(self) -> int:
-        return torch.cuda.memory_allocated() if self.cuda else _proc_kib("VmRSS") * 1024
+        return torch.cuda.memory_allocated() if self.cuda else C.proc_status_kib("VmRSS") * 1024
 
     def reset(self) -> None:
         if self.cuda:
             torch.cuda.reset_peak_memory_stats()
         else:
-            with open("/proc/self/clear_refs", "w") as clear_refs:
-                clear_refs.write("5")  # resets VmHWM to the current resident size
+            C.reset_resident_peak()
 
     def peak(self) -> int:
-        return torch.cuda.max_memory_allocated() if self.cuda else _proc_kib("VmHWM") * 1024
+        return torch.cuda.max_memory_allocated() if self.cuda else C.proc_status_kib("VmHWM") * 1024
 
 
 # -- one variant ---------------------------------------------------------------------------------------------------
