@@ -100,7 +100,7 @@ def token_logprobs(
     chunk_size: int = 1024,
 ) -> Tensor:
     """`token_logprobs_and_entropy`'s log-probs without the entropy: the same values bit for bit, one ``[C, V]``
-    ``exp`` and row dot fewer per chunk (a third of a no-grad chunk's time on the CPU at a 49k vocabulary).
+    ``exp`` and row dot fewer per chunk (29% of a no-grad ``[1024, 49152]`` chunk's time on a 2-core CPU).
 
     Args:
         hidden: ``[B, N, H]`` final hidden states (the ones predicting ``ids``).

@@ -152,7 +152,7 @@ def smd_loss_and_kl(
     head = output_head(policy)
     with torch.no_grad(), report_phase(phase_owner, "teacher"):
         dense_hidden = dense_hidden_states(policy, rollout, masked)  # [B, N, H]
-    entropy = logprobs.new_empty(logprobs.shape, requires_grad=False)  # [B, N]
+    entropy = logprobs.new_empty(logprobs.shape)  # [B, N]
     head_loss, kl = kl_with_policy_grad(
         masked.hidden, head, rollout.completion_ids, logprob_grad, dense_hidden, head, kl_coef=kl_coef,
         temperature=temperature, mask=mask, chunk_size=chunk_size, entropy_out=entropy,
