@@ -25,6 +25,7 @@ from lit_smd.losses.sparse_rl import SparseRLConfig
 from lit_smd.modules.grpo import GRPOModule
 from lit_smd.rollout import Rollout, generate
 from lit_smd.tiny import MLA_FAMILIES
+from tests.kv.test_blocked import spy_on_blocks
 
 GROUP, NEW = 3, 12
 
@@ -73,20 +74,6 @@ def _logprobs_and_grads(model, rollout, hidden_fn):
 
 def _per_row(model, rollout, shadow):
     return learner_hidden_states(model, rollout, shadow=shadow, layout="per_row").hidden  # [B, N, H]
-
-
-def _spy_on_blocks(monkeypatch, record) -> None:
-    """Spy on `lit_smd.kv.blocked._blocks`: ``record(limit, start, stop, groups)`` for every query block walked."""
-    import lit_smd.kv.blocked as blocked
-
-    walk = blocked._blocks
-
-    def spy(limit, *args):
-        for start, stop, groups in walk(limit, *args):
-            record(limit, start, stop, groups)
-            yield start, stop, groups
-
-    monkeypatch.setattr(blocked, "_blocks", spy)
 
 
 def _assert_same(model, rollout, shadow, **kwargs):
@@ -235,7 +222,7 @@ def test_dense_slot_attention_runs_whole_slots_with_bounded_masks(model64, lengt
         pieces = [piece for group in block_groups for piece in group.pieces]
         masks.extend(piece.mask.numel() for piece in pieces if piece.mask is not None)
 
-    _spy_on_blocks(monkeypatch, record)
+    spy_on_blocks(monkeypatch, record)
     packed = learner_hidden_states(model, rollout, shadow=False)
     assert packed._packing is not None and blocks
     if max_groups > 1:
@@ -471,7 +458,7 @@ def test_blocks_grow_where_no_key_dies_and_replay_exactly(model64, layout, monke
     monkeypatch.setattr(blocked, "VISIBLE_BLOCK", 3)
     monkeypatch.setattr(blocked, "DENSE_BLOCK", 16)
     sizes = []
-    _spy_on_blocks(monkeypatch, lambda limit, start, stop, groups: sizes.append(stop - start))
+    spy_on_blocks(monkeypatch, lambda limit, start, stop, groups: sizes.append(stop - start))
 
     def hidden():
         return learner_hidden_states(model, rollout, shadow=True, layout=layout).hidden
@@ -498,7 +485,7 @@ def test_rows_of_different_lengths_run_in_groups_and_replay_exactly(model64, mon
     rollout = _rollout(model)
     monkeypatch.setattr(blocked, "VISIBLE_BLOCK", 3)
     groups = []
-    _spy_on_blocks(monkeypatch, lambda limit, start, stop, block_groups: groups.append(len(block_groups)))
+    spy_on_blocks(monkeypatch, lambda limit, start, stop, block_groups: groups.append(len(block_groups)))
 
     logprobs, grads = _logprobs_and_grads(model, rollout, lambda: _per_row(model, rollout, True))
     assert max(groups) >= 2, groups
@@ -528,7 +515,7 @@ def test_query_blocks_past_a_rows_end_are_left_out_and_replay_exactly(model64, l
     def record(limit, start, stop, groups):
         left_out.append(limit.shape[0] - sum(len(torch.arange(limit.shape[0])[group.rows]) for group in groups))
 
-    _spy_on_blocks(monkeypatch, record)
+    spy_on_blocks(monkeypatch, record)
 
     def hidden():
         return learner_hidden_states(model, rollout, shadow=True, layout=layout).hidden

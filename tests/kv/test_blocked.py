@@ -45,17 +45,22 @@ def _case(own_from, length, lifetimes, never_share, seed=0, rows=3, kv_heads=1, 
     return query, key, value, limit, query_pos
 
 
-def _walked_sizes(monkeypatch) -> list[int]:
-    """Spy on `blocked._blocks`: the sizes of the blocks the forward (then the backward) walks."""
-    sizes = []
+def spy_on_blocks(monkeypatch, record) -> None:
+    """Spy on `lit_smd.kv.blocked._blocks`: ``record(limit, start, stop, groups)`` for every query block walked."""
     walk = blocked._blocks
 
-    def spy(*args):
-        for start, stop, groups in walk(*args):
-            sizes.append(stop - start)
+    def spy(limit, *args):
+        for start, stop, groups in walk(limit, *args):
+            record(limit, start, stop, groups)
             yield start, stop, groups
 
     monkeypatch.setattr(blocked, "_blocks", spy)
+
+
+def _walked_sizes(monkeypatch) -> list[int]:
+    """The sizes of the blocks the forward (then the backward) walks."""
+    sizes = []
+    spy_on_blocks(monkeypatch, lambda limit, start, stop, groups: sizes.append(stop - start))
     return sizes
 
 
@@ -219,14 +224,9 @@ def test_visible_attention_runs_rows_that_see_very_different_numbers_of_keys_apa
     beside a shorter row's completion): every block runs per group of rows, row 1 apart from rows 0, 2 and 3 (a row
     index across the fold), with no mask over the surplus keys; output and gradients stay the full mask's. Both when
     the blocks grow (no key dies) and in fixed blocks."""
-    walk, seen = blocked._blocks, []
-
-    def spy(*args):
-        for start, stop, groups in walk(*args):
-            seen.append([(group.rows.tolist(), [piece.mask is None for piece in group.pieces]) for group in groups])
-            yield start, stop, groups
-
-    monkeypatch.setattr(blocked, "_blocks", spy)
+    seen = []
+    spy_on_blocks(monkeypatch, lambda limit, start, stop, groups: seen.append(
+        [(group.rows.tolist(), [piece.mask is None for piece in group.pieces]) for group in groups]))  # fmt: skip
     if not grow:
         monkeypatch.setattr(blocked, "_death_indices", lambda *args: None)
     rows, kv_heads, group = 2, 2, 2
@@ -244,15 +244,13 @@ def test_visible_attention_runs_rows_that_see_very_different_numbers_of_keys_apa
 def test_visible_attention_leaves_out_the_blocks_past_a_rows_counted_queries(monkeypatch):
     """Rows whose counted queries end early (right padding): a block that starts past a row's end leaves the row out,
     and its queries there come out zero; every counted query, and the gradients through them, are the full mask's."""
-    walk, seen = blocked._blocks, []
+    seen = []
 
-    def spy(*args):
-        for start, stop, groups in walk(*args):
-            rows = [torch.arange(3)[group.rows].tolist() for group in groups]
-            seen.append((start, stop, sorted(sum(rows, []))))
-            yield start, stop, groups
+    def record(limit, start, stop, groups):
+        rows = [torch.arange(3)[group.rows].tolist() for group in groups]
+        seen.append((start, stop, sorted(sum(rows, []))))
 
-    monkeypatch.setattr(blocked, "_blocks", spy)
+    spy_on_blocks(monkeypatch, record)
     query, key, value, limit, query_pos = _case(5, 40, 10, 0.5)
     lengths = torch.tensor([40, 13, 27])
     out = visible_attention(query, lambda k, v: (k, v), (key, value), limit, query_pos, 5, 0.3, block=4,
