@@ -117,7 +117,7 @@ def token_logprobs(
     """
     _check_logprob_args(hidden, head, ids, temperature, chunk_size)
     dtype = compute_dtype(hidden, head.weight)
-    return _apply(hidden, head, ids, None, temperature, chunk_size, dtype, entropy=False)[0].view(ids.shape)
+    return _apply(hidden, head, ids, None, temperature, chunk_size, dtype, with_entropy=False)[0].view(ids.shape)
 
 
 def token_logprobs_and_kl(
@@ -362,11 +362,11 @@ def _apply(
     chunk_size: int,
     dtype: torch.dtype,
     *,
-    entropy: bool = True,
+    with_entropy: bool = True,
 ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     rows = hidden.reshape(-1, hidden.shape[-1])  # [N, H]
     return ChunkedLogprobs.apply(rows, head.weight, head.bias, ids.reshape(-1), head, teacher, temperature,
-                                 chunk_size, dtype, entropy)  # fmt: skip
+                                 chunk_size, dtype, with_entropy)  # fmt: skip
 
 
 def _student_log_q(
