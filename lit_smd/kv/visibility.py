@@ -56,7 +56,8 @@ def additive_block_mask(query_pos: Tensor, limit: Tensor, causal_from: int, dtyp
     rows, queries = limit.shape[0], query_pos.shape[1]
     compute = torch.float64 if dtype == torch.float64 else torch.float32
     positions = query_pos.expand(rows, -1).contiguous()  # [B', Bq]
-    hi = torch.searchsorted(positions, limit.to(positions.dtype))  # [B', K]
+    # contiguous: a column slice of the limits (a block's own keys) would make searchsorted copy it and warn
+    hi = torch.searchsorted(positions, limit.to(positions.dtype).contiguous())  # [B', K]
     lo = torch.zeros_like(hi)  # [B', K]
     lo[:, causal_from:] = torch.arange(queries, device=hi.device)
     centre = (lo + hi - 1).to(compute).mul_(HIDDEN_SCALE)[:, None, :]  # [B', 1, K]

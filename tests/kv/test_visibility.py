@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 
@@ -64,3 +66,21 @@ def test_a_hidden_entry_weighs_exactly_zero_in_the_fused_kernel():
     limit[:, earlier:] = 0  # now no query sees a key
     hidden = additive_block_mask(query_pos, limit, earlier, torch.float32)
     assert bool(kernel(query, key, value, attn_mask=hidden, scale=1.0)[0].isfinite().all())
+
+
+def test_additive_mask_of_a_column_slice_warns_nothing():
+    # `_pieces` passes a block's own keys as a column slice of the layer's limits (per row, when no earlier key dies
+    # within the block); torch.searchsorted warned once per process about the non-contiguous input
+    query_pos = torch.arange(4, 8, dtype=torch.int32)[None]  # [1, 4]
+    layer = torch.tensor([[9, 9, 9, 9, 9, 9, 6, 9]] * 2, dtype=torch.int32)  # [2, 8]
+    limit = layer[:, 4:]  # [2, 4], not contiguous
+    assert not limit.is_contiguous()
+    previous = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)  # the warning is once per process otherwise
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            mask = additive_block_mask(query_pos, limit, 0, torch.float32)
+    finally:
+        torch.set_warn_always(previous)
+    assert torch.equal(mask == 0, block_mask(query_pos, limit, 0))
