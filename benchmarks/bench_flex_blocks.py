@@ -20,6 +20,11 @@ each other key evicted ``--recent`` positions after it), ``prefill`` (SnapKV at 
 (torch has no FlexAttention backward there), float32. Prints the blocks computed and full, and each time as a ratio to
 dense's in the same run (median of ``--repeats``, the variants in turns).
 
+``--shortest-completion F`` (shared prefix) gives the completions different lengths, from ``--new`` down to ``F`` of it
+(samples that ended early; the slot's padding keys never evicted): the variants then pass the slot lengths (a slot's
+padding queries see only themselves, `lit_smd.kv.flex.packed_mask_mod`), and two more run without them, as before
+(``dense, padding computed``, ``shadow, padding computed``).
+
 ``--teacher`` adds SMD's dense teacher (``shared_prefix``): its slots-only pass over the kept prompt keys
 (`lit_smd.kv.packed.PackedPlan.for_slots`), whose prompt query rows are padding, with the dense view's block mask (the
 prompt's rows computed and dropped, as before) and without those rows' query blocks
@@ -39,13 +44,15 @@ from typing import Any
 
 import _common as C
 import torch
-from bench_long_context import MaskPattern, synthetic_evict_steps
+from bench_long_context import MaskPattern, spread_lengths, synthetic_evict_steps
 
 from lit_smd.kv import NEVER, flex
 from lit_smd.kv.features import PLAIN
 from lit_smd.kv.flex_sorted import packed_sorted_keys, row_sorted_keys, sorted_attention
 
 VARIANTS = ("dense", "shadow, all partial", "shadow, keys in order", "shadow")
+PADDED_VARIANTS = ("dense, padding computed", "shadow, padding computed")
+"""With ``--shortest-completion``: the dense view and the learner's shadow view without the slot lengths."""
 
 
 def eviction_steps(name: str, args: argparse.Namespace) -> torch.Tensor:
@@ -58,7 +65,14 @@ def eviction_steps(name: str, args: argparse.Namespace) -> torch.Tensor:
     elif name == "recent":
         positions = torch.arange(prompt + new)
         steps = torch.where(positions < 4, NEVER, positions + args.recent).to(torch.int32).expand_as(steps)
+    tokens = torch.tensor(slot_lengths(args))[:, None, None]  # [S, 1, 1]
+    steps = steps.masked_fill(torch.arange(prompt + new) >= prompt + tokens, NEVER)  # a slot's padding keys
     return steps.permute(1, 0, 2)[None].contiguous()  # [rows=1, Hkv, S, P + N]
+
+
+def slot_lengths(args: argparse.Namespace) -> list[int]:
+    """Tokens of each completion: ``--new`` down to ``--shortest-completion`` of it."""
+    return spread_lengths(args.new, args.group, args.shortest_completion)
 
 
 def block_counts(block_mask) -> tuple[float, float]:
@@ -68,16 +82,17 @@ def block_counts(block_mask) -> tuple[float, float]:
     return (int(block_mask.kv_num_blocks.sum()) + full) / rows, full / rows
 
 
-def layer_masks(name: str, args: argparse.Namespace, device: torch.device):
+def layer_masks(name: str, args: argparse.Namespace, device: torch.device, padded: bool = False):
     """``(dense BlockMask, shadow mask_mod, shadow BlockMask with keys in order, SortedKeys)`` of pattern ``name`` in
-    ``args.layout``."""
+    ``args.layout``; with ``padded``, a packed layout's masks without the slot lengths."""
     steps = eviction_steps(name, args).to(device)  # [1, Hkv, S, P + N]
     if args.layout == "shared_prefix":
         layout = (torch.tensor([args.prompt], device=device), args.prompt, args.group, args.new)
-        dense = flex.packed_block_mask(*layout, None, args.heads, None)
-        in_order = flex.packed_block_mask(*layout, steps, args.heads, None, dense=dense)
-        mask_mod = flex.packed_mask_mod(*layout, steps, None, args.heads // args.kv_heads)[0]
-        return dense, mask_mod, in_order, packed_sorted_keys(*layout, steps, args.heads)
+        tokens = None if padded else torch.tensor([slot_lengths(args)], device=device)  # [1, S]
+        dense = flex.packed_block_mask(*layout, None, args.heads, None, slot_lengths=tokens)
+        in_order = flex.packed_block_mask(*layout, steps, args.heads, None, dense=dense, slot_lengths=tokens)
+        mask_mod = flex.packed_mask_mod(*layout, steps, None, args.heads // args.kv_heads, tokens)[0]
+        return dense, mask_mod, in_order, packed_sorted_keys(*layout, steps, args.heads, tokens)
     steps, width = steps[0].transpose(0, 1).contiguous(), args.prompt + args.new  # [S, Hkv, P + N]: a row per sample
     lengths = torch.full((args.group,), width, device=device)
     dense = flex.row_block_mask(lengths, None, args.heads, width, None)
@@ -88,29 +103,35 @@ def layer_masks(name: str, args: argparse.Namespace, device: torch.device):
 
 
 def measure(name: str, tensors: tuple[torch.Tensor, ...], args: argparse.Namespace, device) -> dict[str, Any]:
-    """Block counts and times of the four variants for eviction pattern ``name``."""
+    """Block counts and times of the four variants (six with ``--shortest-completion``) for pattern ``name``."""
     dense, mask_mod, in_order, keys = layer_masks(name, args, device)
     none = torch.zeros(dense.kv_indices.shape[0], *dense.kv_indices.shape[2:], dtype=torch.bool, device=device)
     masks = {"dense": dense, "shadow, all partial": flex._within(dense, mask_mod, none, none),
              "shadow, keys in order": in_order, "shadow": keys.block_mask}  # fmt: skip
+    variants, sorted_keys = VARIANTS, {"shadow": keys}
+    if ragged(args):
+        padded_dense, _, _, sorted_keys["shadow, padding computed"] = layer_masks(name, args, device, padded=True)
+        masks["dense, padding computed"] = padded_dense
+        masks["shadow, padding computed"] = sorted_keys["shadow, padding computed"].block_mask
+        variants = VARIANTS + PADDED_VARIANTS
     backward = device.type == "cuda"
 
     def run(variant: str) -> None:
         query, key, value = (t.detach().requires_grad_(backward) for t in tensors)
         with torch.set_grad_enabled(backward):
-            if variant == "shadow":
-                out = sorted_attention(query, key, value, keys, args.head_dim**-0.5, PLAIN)
+            if variant in sorted_keys:
+                out = sorted_attention(query, key, value, sorted_keys[variant], args.head_dim**-0.5, PLAIN)
             else:
                 out = flex.flex_feature_attention(query, key, value, masks[variant], args.head_dim**-0.5, PLAIN)
             if backward:
                 out.backward(torch.ones_like(out))
 
     timed = C.time_interleaved(
-        {variant: (lambda v=variant: run(v)) for variant in VARIANTS}, device, repeats=args.repeats,
+        {variant: (lambda v=variant: run(v)) for variant in variants}, device, repeats=args.repeats,
         alternate=True,
     )  # fmt: skip
     row = {"mask": name, "backward": backward}
-    for variant in VARIANTS:
+    for variant in variants:
         computed, full = block_counts(masks[variant])
         row[variant] = {"blocks": computed, "full_blocks": full, "median_s": timed[variant]["median_s"]}
     return row
@@ -122,7 +143,8 @@ TEACHER_VARIANTS = ("teacher, prompt rows computed", "teacher")
 def measure_teacher(tensors: tuple[torch.Tensor, ...], args: argparse.Namespace, device) -> dict[str, Any]:
     """Block counts and forward times of the teacher's slots-only pass with and without the prompt's query blocks."""
     layout = (torch.tensor([args.prompt], device=device), args.prompt, args.group, args.new)
-    dense = flex.packed_block_mask(*layout, None, args.heads, None)
+    tokens = torch.tensor([slot_lengths(args)], device=device) if ragged(args) else None  # [1, S]
+    dense = flex.packed_block_mask(*layout, None, args.heads, None, slot_lengths=tokens)
     masks = dict(zip(TEACHER_VARIANTS, (dense, flex.without_leading_queries(dense, args.prompt)), strict=True))
 
     def run(variant: str) -> None:
@@ -138,11 +160,16 @@ def measure_teacher(tensors: tuple[torch.Tensor, ...], args: argparse.Namespace,
     return row
 
 
+def ragged(args: argparse.Namespace) -> bool:
+    """Whether the completions have different lengths (``--shortest-completion`` below 1)."""
+    return args.shortest_completion < 1
+
+
 def table(rows: list[dict[str, Any]], variants: tuple[str, ...] = VARIANTS) -> str:
     lines = []
     for row in rows:
         dense_s = row[variants[0]]["median_s"]
-        for variant in variants:
+        for variant in (name for name in (*variants, *PADDED_VARIANTS) if name in row):
             entry = row[variant]
             lines.append([
                 row["mask"], variant, C.fmt(entry["blocks"], ".0f"), C.fmt(entry["full_blocks"], ".0f"),
@@ -170,6 +197,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--masks", nargs="+", choices=patterns, default=patterns)
     parser.add_argument("--budget", type=float, default=0.5, help="kept share of the h2o / prefill patterns")
     parser.add_argument("--recent", type=int, default=1024, help="keys the recent window keeps")
+    parser.add_argument("--shortest-completion", type=float, default=1.0, metavar="FRACTION",
+                        help="completions from --new down to FRACTION of it (shared prefix; default 1: all full)")
     parser.add_argument("--teacher", action="store_true",
                         help="also time the dense teacher's slots-only pass with / without the prompt's query rows")
     parser.add_argument("--repeats", type=int, default=5)
@@ -183,6 +212,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = build_parser().parse_args(argv)
     if args.teacher and args.layout != "shared_prefix":
         raise SystemExit("--teacher times the shared-prefix teacher: use it with --layout shared_prefix")
+    if not 0 < args.shortest_completion <= 1:
+        raise SystemExit(f"--shortest-completion must be in (0, 1], got {args.shortest_completion}")
+    if ragged(args) and args.layout != "shared_prefix":
+        raise SystemExit("--shortest-completion gives a packed row's slots different lengths: use it with "
+                         "--layout shared_prefix (a per-row pass already skips each row's padding)")
     device = C.resolve_device(args.device)
     C.apply_threads(args.threads, device)
     dtype = getattr(torch, args.dtype or ("bfloat16" if device.type == "cuda" else "float32"))
@@ -203,7 +237,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         teacher += table([payload["teacher"]], TEACHER_VARIANTS)
     text = (
         f"# FlexAttention blocks of one {'packed layer' if packed else 'per-row layer'}: {args.prompt} + "
-        f"{args.group} x {args.new} tokens, "
+        f"{args.group} x {args.new} tokens{f' (completions of {slot_lengths(args)})' if ragged(args) else ''}, "
         f"{args.heads}/{args.kv_heads} heads of {args.head_dim}, {dtype}, "
         f"{'forward + backward' if device.type == 'cuda' else 'forward'}\n\n{C.describe(payload['environment'])}\n\n"
         + table(payload["results"])

@@ -290,8 +290,9 @@ def _dense_completions_per_row(model: torch.nn.Module, rollout: Rollout, masked:
         width = int(lengths.max())
         kept = {layer: (keys[rows, :, :width], values[rows, :, :width])
                 for layer, (keys, values) in masked._row_prompt_kv.items()}  # fmt: skip
+        tokens = rollout.completion_lengths[rows].clamp(max=new)[:, None]  # [c, 1]
         plan = PackedPlan(prompt_lengths=lengths, prompt_width=width, num_slots=1, slot_width=new, prompt_kv=kept,
-                          backend=masked.backend)
+                          backend=masked.backend, slot_lengths=tokens)  # fmt: skip
         positions = lengths[:, None] + torch.arange(new, device=device)[None, :]  # [c, n] logical positions
         completions = _run_decoder(model, rollout.completion_ids[rows, :new], positions, plan.for_slots())  # [c, n, H]
         # Completion token 0 is predicted by the last prompt token, whose state the masked pass computed densely.

@@ -341,6 +341,16 @@ def test_flex_blocks_benchmark(run_all, tmp_path):
         if teacher:  # the prompt's 2 whole query blocks skipped
             kept, computed = (payload["teacher"][variant] for variant in reversed(bench.TEACHER_VARIANTS))
             assert kept["blocks"] < computed["blocks"] and kept["median_s"] > 0 < computed["median_s"]
+    # completions of 384 and 192 tokens: with the slot lengths both views compute fewer blocks than without
+    out = tmp_path / "ragged.json"
+    bench.main(["--device", "cpu", "--prompt", "256", "--new", "384", "--heads", "4", "--kv-heads", "2",
+                "--head-dim", "16", "--repeats", "1", "--masks", "h2o", "--shortest-completion", "0.5", "--teacher",
+                "--json", str(out)])  # fmt: skip
+    payload = json.loads(out.read_text())
+    (row,) = payload["results"]
+    assert row["dense"]["blocks"] < row["dense, padding computed"]["blocks"]
+    assert row["shadow"]["blocks"] < row["shadow, padding computed"]["blocks"]
+    assert all(row[variant]["median_s"] > 0 for variant in bench.VARIANTS + bench.PADDED_VARIANTS)
 
 
 def test_flex_blocks_refuses_the_teacher_per_row(run_all):
@@ -348,6 +358,10 @@ def test_flex_blocks_refuses_the_teacher_per_row(run_all):
     bench = importlib.import_module("bench_flex_blocks")
     with pytest.raises(SystemExit, match="--teacher"):
         bench.main(["--device", "cpu", "--layout", "per_row", "--teacher"])
+    with pytest.raises(SystemExit, match="--shortest-completion"):
+        bench.main(["--device", "cpu", "--layout", "per_row", "--shortest-completion", "0.5"])
+    with pytest.raises(SystemExit, match="--shortest-completion"):
+        bench.main(["--device", "cpu", "--shortest-completion", "0"])
 
 
 def test_long_context_default_logits_chunk_keeps_cpu_buffers_on_the_heap(run_all):

@@ -206,15 +206,20 @@ def packed_mask_mod(
     steps: Tensor | None,
     sliding_window: int | None,
     group: int,
+    slot_lengths: Tensor | None = None,
 ) -> tuple[MaskMod, int, int]:
     """The packed plan's ``mask_mod`` over bucketed shapes (`PackedPlan`'s layout, columns past ``W + S*N`` hidden).
 
     A prompt query attends causally to the prompt's real keys; a slot query to the prompt's ``P`` real keys and its
     own slot's earlier tokens, under the shadow view only to those its rollout row still saw (``pos < e``); every real
-    column sees itself, the bucket's padding nothing. The eviction steps are laid out for the kernel as two tables of
-    bucketed shape: the prompt keys' per slot ``[R, H_kv, S, capacity]`` (``capacity`` a power of two that only grows
-    in a process, so it stops changing after the widest prompt) and the slot keys' in packed-row columns
-    ``[R, H_kv, size]``.
+    column sees itself, the bucket's padding nothing. With ``slot_lengths`` a slot's padding queries (offsets ``t >=``
+    its length: they predict nothing) see only themselves, as a per-row pass's padding does, so that their blocks
+    are skipped instead of attending over the prompt and the slot; a real query never sees a padding key anyway.
+
+    The eviction steps are laid out for the kernel as two tables of bucketed shape: the prompt keys' per slot
+    ``[R, H_kv, S, capacity]`` (``capacity`` a power of two that only grows in a process, so it stops changing after
+    the widest prompt) and the slot keys' in packed-row columns ``[R, H_kv, size]``; the slot lengths as ``[R, S']``
+    (``S'`` the power of two at or above ``S``).
 
     Args:
         prompt_lengths: ``[R]`` real prompt tokens per packed row.
@@ -224,6 +229,7 @@ def packed_mask_mod(
         steps: ``[R, H_kv, S, W + N]`` the layer's eviction steps (`PackedPlan.steps`), or None for the dense view.
         sliding_window: The layer's window, or None.
         group: Query heads per KV head.
+        slot_lengths: ``[R, S]`` real tokens of each slot (`PackedPlan.slot_lengths`), or None for all ``N``.
 
     Returns:
         ``(mask_mod, rows, size)``: the ``mask_mod`` and the bucketed row count and width it is defined over.
@@ -244,6 +250,10 @@ def packed_mask_mod(
         own = steps[..., prompt_width:].flatten(2)  # [R, Hkv, S*N]: slot s's key t at packed column W + s*N + t
         own_steps = _pad_to(F.pad(own, (prompt_width, 0)), (rows, kv_heads, size))  # [rows, Hkv, size]
         capacity = prompt_steps.shape[-1]
+    real_tokens = None
+    if slot_lengths is not None:  # [rows, slots bucketed to a power of two]
+        real_tokens = _pad_to(slot_lengths.to(device), (rows, _batch_bucket(num_slots)))
+        slot_cap = real_tokens.shape[1]
 
     def mask_mod(b, h, q_idx, kv_idx):
         q_prompt, kv_prompt = q_idx < width, kv_idx < width
@@ -263,6 +273,8 @@ def packed_mask_mod(
                 kv_prompt, prompt_steps[b, head, slot, kv_idx.clamp(max=capacity - 1)], own_steps[b, head, kv_idx]
             )
             visible = visible & (q_prompt | (q_pos < evicted))
+        if real_tokens is not None:  # a slot's padding queries: only themselves (below)
+            visible = visible & (q_prompt | (q_t < real_tokens[b, q_slot.clamp(0, slot_cap - 1)]))
         return (visible | (q_idx == kv_idx)) & (q_idx < end) & (b < count)  # padding sees nothing
 
     return mask_mod, rows, size
@@ -448,20 +460,21 @@ def packed_block_mask(
     sliding_window: int | None,
     *,
     dense: BlockMask | None = None,
+    slot_lengths: Tensor | None = None,
 ) -> BlockMask:
     """FlexAttention ``BlockMask`` of one layer of a packed pass (`packed_mask_mod`), over bucketed shapes; one head,
     the shadow view's within the dense view's blocks (as `row_block_mask`).
 
     Args: as `packed_mask_mod`, with ``num_heads`` query heads instead of the group, and ``dense``, the dense view's
-    BlockMask of the same pass and window (built when not given).
+    BlockMask of the same pass, window and slot lengths (built when not given).
     """
     layout = (prompt_lengths, prompt_width, num_slots, slot_width)
     if dense is None:
-        mask_mod, rows, size = packed_mask_mod(*layout, None, sliding_window, 1)
+        mask_mod, rows, size = packed_mask_mod(*layout, None, sliding_window, 1, slot_lengths)
         dense = _block_mask(mask_mod, rows, size, prompt_lengths.device)
     if steps is None:
         return dense
-    mask_mod = packed_mask_mod(*layout, steps, sliding_window, num_heads // steps.shape[1])[0]
+    mask_mod = packed_mask_mod(*layout, steps, sliding_window, num_heads // steps.shape[1], slot_lengths)[0]
     return _within(dense, mask_mod, *_packed_eviction_blocks(dense, *layout, steps))
 
 

@@ -159,11 +159,14 @@ def row_sorted_keys(lengths: Tensor, prompt_lengths: Tensor, steps: Tensor, num_
 
 
 def packed_sorted_keys(
-    prompt_lengths: Tensor, prompt_width: int, num_slots: int, slot_width: int, steps: Tensor, num_heads: int
+    prompt_lengths: Tensor, prompt_width: int, num_slots: int, slot_width: int, steps: Tensor, num_heads: int,
+    slot_lengths: Tensor | None = None,
 ) -> SortedKeys:
     """One layer of a packed shadow pass (`lit_smd.kv.packed.PackedPlan`): each slot's own keys reordered within the
     slot's columns by eviction step per KV head (the prompt's by their last step over the slots), and the BlockMask of
-    the folded batch.
+    the folded batch. With ``slot_lengths`` a query block of one slot's padding computes only the blocks that may
+    hold its own columns (`lit_smd.kv.flex.packed_mask_mod`: such a query sees only itself), and no block with a
+    padding query is full.
 
     Args: as `lit_smd.kv.flex.packed_mask_mod` (no sliding window), with ``num_heads`` query heads instead of the
     group.
@@ -184,7 +187,7 @@ def packed_sorted_keys(
     prompt_order = prompt_key.argsort(dim=-1)  # [R, Hkv, W]
     order = torch.cat([prompt_order, slot_columns.flatten(2)], dim=-1)  # [R, Hkv, W + S*N]
     group = num_heads // kv_heads
-    mask_mod, rows, size = packed_mask_mod(prompt_lengths, width, slots, new, steps, None, group)
+    mask_mod, rows, size = packed_mask_mod(prompt_lengths, width, slots, new, steps, None, group, slot_lengths)
     position = _positions(order, rows, size)  # [F, size]
     folded_rows = rows * kv_heads
     lengths = _pad_to(prompt_lengths.to(device), (rows,)).repeat_interleave(kv_heads)[:, None]  # [F, 1]
@@ -226,6 +229,12 @@ def packed_sorted_keys(
     diagonal = (key_first <= last[None, :, None]) & (key_last >= first[None, :, None])  # a column may see itself
     padding_keys = key_first >= lengths[..., None]  # prompt blocks of padding columns only
     skipped = (first >= total)[None, :, None] | ~real_row
+    all_real = torch.ones_like(one)  # [F, QB, 1]: every query of the block is a real token (or a prompt query)
+    if slot_lengths is not None:  # a slot's padding queries see only themselves
+        real_tokens = _pad_to(slot_lengths.to(device), (rows, slots)).repeat_interleave(kv_heads, dim=0)  # [F, S]
+        tokens = real_tokens[:, first_slot.flatten()][..., None]  # [F, QB, 1]: of the query block's first slot
+        all_real = ~(q_slot & one) | (tq_high < tokens)
+        skipped = skipped | (q_slot & one & (tq_low >= tokens) & ~diagonal)  # a block of padding queries only
     prompt_skip = (key_first > last[None, :, None]) | (padding_keys & ~diagonal)  # prompt queries, prompt keys
     prompt_skip = torch.where(q_slot, padding_keys | (latest <= pos_low), prompt_skip)
     slot_skip = q_prompt | (q_slot & ((slot_low > last_slot) | (slot_high < first_slot)))
@@ -235,5 +244,6 @@ def packed_sorted_keys(
     prompt_full = prompt_full | (q_slot & one & (key_last < lengths[..., None]) & (earliest > pos_high))
     slot_full = q_slot & one & (t_high <= tq_low) & (limit_low > pos_high)  # another slot's: skipped above
     full = ((prompt_keys & prompt_full) | (one_slot_keys & slot_full)) & (last < total)[None, :, None] & ~skipped
+    full = full & all_real
     folded = _folded_mask_mod(mask_mod, position.to(torch.int32), kv_heads, group)
     return SortedKeys(order, _block_mask(skipped, full, folded, size))

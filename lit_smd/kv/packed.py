@@ -85,8 +85,10 @@ class PackedPlan:
         prompt_kv: Layer index -> ``(keys [R, H_kv, W, D], values)``: filled by a capturing pass; in a slots-only
             pass (`for_slots`) the prompt keys the slot queries attend to.
         slots_only: The pass holds the slot columns only (``S*N`` tokens) and reads the prompt from ``prompt_kv``.
-        slot_lengths: ``[R, S]`` real tokens of each slot, or None for all ``N``: the shadow view leaves out the
-            query blocks wholly in a slot's padding (`lit_smd.kv.blocked.visible_attention`'s ``lengths``).
+        slot_lengths: ``[R, S]`` real tokens of each slot, or None for all ``N``. A slot's padding predicts
+            nothing: on the CPU's fused kernel the shadow view leaves out the query blocks wholly in it
+            (`lit_smd.kv.blocked.visible_attention`'s ``lengths``); on FlexAttention its queries see only themselves
+            in both views (`lit_smd.kv.flex.packed_mask_mod`), so their blocks are skipped.
     """
 
     prompt_lengths: torch.Tensor
@@ -142,7 +144,7 @@ class PackedPlan:
             sortable = features.sinks is None and sliding_window is None
             if self.steps is not None and sortable:  # each slot's keys reordered by eviction step
                 layout = (self.prompt_lengths, self.prompt_width, self.num_slots, self.slot_width)
-                keys = packed_sorted_keys(*layout, self.steps[layer_idx], query.shape[1])
+                keys = packed_sorted_keys(*layout, self.steps[layer_idx], query.shape[1], self.slot_lengths)
                 out = sorted_attention(query, key, value, keys, scaling, features)
             else:
                 block_mask = self._block_mask(layer_idx, query.shape[1], sliding_window)
@@ -270,9 +272,11 @@ class PackedPlan:
         layout = (self.prompt_lengths, self.prompt_width, self.num_slots, self.slot_width)
         cache_key = ("block", sliding_window)
         if cache_key not in self._masks:
-            mask = packed_block_mask(*layout, None, q_heads, sliding_window)
+            mask = packed_block_mask(*layout, None, q_heads, sliding_window, slot_lengths=self.slot_lengths)
             self._masks[cache_key] = without_leading_queries(mask, self.prompt_width) if self.slots_only else mask
         if self.steps is None:
             return self._masks[cache_key]
         steps = self.steps[layer_idx]  # [R, Hkv, S, W + N]
-        return packed_block_mask(*layout, steps, q_heads, sliding_window, dense=self._masks[cache_key])
+        return packed_block_mask(
+            *layout, steps, q_heads, sliding_window, dense=self._masks[cache_key], slot_lengths=self.slot_lengths
+        )

@@ -242,6 +242,50 @@ def test_shadow_block_mask_packed_skips_evicted_blocks_and_keeps_every_visible_o
         assert computed < int(dense.to_dense().sum())
 
 
+def _slot_padding(layout, slot_lengths: torch.Tensor, rows: int, size: int) -> torch.Tensor:
+    """``[rows, size]`` bool: the packed columns that are a slot's padding (offset at or past its length)."""
+    prompt_lengths, width, slots, new = layout
+    columns = torch.arange(size)
+    slot, offset = (columns - width) // new, (columns - width) % new
+    in_slots = (columns >= width) & (columns < width + slots * new)
+    tokens = torch.zeros(rows, slots, dtype=torch.long)
+    tokens[: len(slot_lengths)] = slot_lengths
+    return in_slots & (offset >= tokens.gather(1, slot.clamp(0, slots - 1).expand(rows, -1)))
+
+
+@pytest.mark.parametrize("pattern", [None, "recent", "h2o"])
+def test_packed_block_masks_skip_a_slots_padding(uncompiled_block_masks, pattern):
+    """With the slots' lengths a slot's padding queries see only themselves (every other query sees what it did),
+    and both views' BlockMasks (the shadow view's in key order) compute fewer blocks, each still holding every
+    visible position."""
+    heads, kv_heads = 4, 2
+    layout = (torch.tensor([200, 150]), 200, 3, 600)  # prompt lengths, W, S, N
+    slot_lengths = torch.tensor([[600, 130, 0], [300, 600, 257]])  # [R, S]: full, cut, empty slots
+    prompt_lengths, width, slots, new = layout
+    steps = None
+    if pattern is not None:
+        columns = torch.arange(width + new)
+        logical = torch.where(columns < width, columns, prompt_lengths[:, None] + columns - width)
+        steps = torch.stack([_pattern(pattern, logical, kv_heads, prompt_lengths, seed=s) for s in range(slots)], 2)
+    group = heads // kv_heads
+    counts = {}
+    for lengths in (None, slot_lengths):
+        dense = flex.packed_block_mask(*layout, None, heads, None, slot_lengths=lengths)
+        block_mask = dense
+        if steps is not None:
+            block_mask = flex.packed_block_mask(*layout, steps, heads, None, dense=dense, slot_lengths=lengths)
+        mask_mod, rows, size = flex.packed_mask_mod(*layout, steps, None, group, lengths)
+        counts[lengths is None] = _block_counts(block_mask, mask_mod, rows, heads, size)[0]
+        counts[lengths is None, "visible"] = create_mask(mask_mod, rows, heads, size, size, device="cpu")
+    padding = _slot_padding(layout, slot_lengths, rows, size)  # [rows, size]
+    visible, before = counts[False, "visible"], counts[True, "visible"]  # [rows, Hq, size, size]
+    assert padding.sum() == 470 + 600 + 300 + 343
+    assert torch.equal(visible.transpose(1, 2)[~padding], before.transpose(1, 2)[~padding])
+    only_itself = torch.eye(size, dtype=torch.bool)[None, None].expand_as(visible).transpose(1, 2)[padding]
+    assert torch.equal(visible.transpose(1, 2)[padding], only_itself)
+    assert counts[False] < 0.75 * counts[True]
+
+
 def test_shadow_block_mask_holds_every_visible_position_packed(peaky_model_factory, uncompiled_block_masks):
     from tests.test_learner import _rollout
 

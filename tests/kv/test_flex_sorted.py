@@ -77,6 +77,26 @@ def test_packed_sorted_keys_keep_every_visible_position(pattern, prompt_width, p
         assert computed < 0.75 * dense
 
 
+@pytest.mark.parametrize("pattern", ["h2o", "recent", "prefill"])
+def test_packed_sorted_keys_skip_a_slots_padding(pattern):
+    """With the slots' lengths, the reordered view still holds every visible position and marks no block with a
+    padding query full (`_check`, against the ``mask_mod`` with the lengths), and computes fewer blocks."""
+    heads, kv_heads = 4, 2
+    prompt_lengths, width, slots, new = torch.tensor([256, 200]), 256, 2, 640
+    slot_lengths = torch.tensor([[640, 100], [333, 0]])
+    columns = torch.arange(width + new)
+    logical = torch.where(columns < width, columns, prompt_lengths[:, None] + columns - width)
+    steps = torch.stack([_pattern(pattern, logical, kv_heads, prompt_lengths, seed=s) for s in range(slots)], 2)
+    steps = steps.masked_fill((columns >= width) & (columns - width >= slot_lengths[:, None, :, None]), NEVER)
+    layout = (prompt_lengths, width, slots, new)
+    computed = {}
+    for lengths in (None, slot_lengths):
+        keys = packed_sorted_keys(*layout, steps, heads, lengths)
+        mask_mod, padded_rows, _ = flex.packed_mask_mod(*layout, steps, None, heads // kv_heads, lengths)
+        computed[lengths is None] = _check(keys, mask_mod, padded_rows, heads, kv_heads)[0]
+    assert computed[False] < 0.75 * computed[True]
+
+
 @pytest.fixture
 def eager_flex(monkeypatch):
     """FlexAttention and its block masks uncompiled: the same results, without a compilation per test."""
