@@ -179,7 +179,9 @@ def _dense_slots_in_chunks(model: torch.nn.Module, packing: _Packing) -> Tensor:
         for first in range(0, slots, slot_chunk):
             count = min(slot_chunk, slots - first)
             columns = slice(first * new, (first + count) * new)
-            chunk = replace(plan, prompt_lengths=plan.prompt_lengths[part], num_slots=count, prompt_kv=kept, _masks={})
+            tokens = None if plan.slot_lengths is None else plan.slot_lengths[part, first : first + count]
+            chunk = replace(plan, prompt_lengths=plan.prompt_lengths[part], num_slots=count, prompt_kv=kept,
+                            slot_lengths=tokens, _masks={})  # fmt: skip
             row_out.append(_run_decoder(model, ids[part, columns], positions[part, columns], chunk))
         out.append(torch.cat(row_out, dim=1))  # [r, S*N, H]
     return torch.cat(out)

@@ -235,6 +235,37 @@ def test_dense_slot_attention_runs_whole_slots_with_bounded_masks(model64, lengt
     assert torch.allclose(packed.hidden * mask, expected * mask, atol=1e-5)
 
 
+def test_dense_slot_attention_leaves_out_a_slots_padding(model64, monkeypatch):
+    """Completions of different lengths: the dense view's slots go into the batch and the query blocks wholly in a
+    slot's padding are left out, as in the shadow view (the slot of a 3-token completion runs its first block only);
+    log-probs and gradients stay the per-row pass's."""
+    import lit_smd.kv.blocked as blocked
+    import lit_smd.kv.packed as packed_module
+
+    model = model64("qwen3")
+    rollout = _rollout(model)  # completions of 12, 7, 3, 11, 7 and 12 tokens, two prompts
+    for module in (blocked, packed_module):
+        monkeypatch.setattr(module, "DENSE_BLOCK", 4)
+    walked = []  # (start, rows of the block) per query block of the forward
+    spy_on_blocks(monkeypatch, lambda limit, start, stop, groups: walked.append((start, limit.shape[0], groups)))
+    with torch.no_grad():
+        packed = learner_hidden_states(model, rollout, shadow=False)
+    plan = packed._packing.plan
+    assert plan.slot_width == NEW and plan.slot_lengths.tolist() == [[12, 7, 3], [11, 7, 12]]
+    layer = [(start, rows, groups) for start, rows, groups in walked if rows == 6][: NEW // 4]  # the first layer
+    assert [start for start, _, _ in layer] == [0, 4, 8]
+    counted = [sorted(row for group in groups for row in torch.arange(6)[group.rows].tolist())
+               for _, _, groups in layer]  # fmt: skip
+    assert counted == [[0, 1, 2, 3, 4, 5], [0, 1, 3, 4, 5], [0, 3, 5]]  # slots in the batch: [R*S]
+    def hidden(layout):
+        return lambda: learner_hidden_states(model, rollout, shadow=False, layout=layout).hidden
+
+    expected, expected_grads = _logprobs_and_grads(model, rollout, hidden("per_row"))
+    logprobs, grads = _logprobs_and_grads(model, rollout, hidden("shared_prefix"))
+    assert (logprobs - expected).abs().max() <= 1e-12
+    assert all((grads[name] - grad).abs().max() <= 1e-12 for name, grad in expected_grads.items())
+
+
 def test_checkpointed_slot_attention_holds_only_storage_autograd_keeps_anyway(model64, monkeypatch):
     """The checkpoint keeps its inputs for the recomputation; they must be slices of tensors saved elsewhere, or the
     activation memory the benchmark counts (saved tensors) would miss them."""

@@ -30,6 +30,9 @@ Attention per layer (SDPA path, any device; `lit_smd.kv.blocked`):
   ``W + t1`` columns with a mask ``[R*S, 1 or H_kv, t1 - t0, W + t1]``. Under the shadow mask the KV heads are
   folded into the batch (``[R*S*H_kv, G, ., D]`` queries over ``[R*S*H_kv, 1, ., D]`` keys), so a mask row serves
   the ``G`` query heads of its KV head without being repeated.
+* a slot's padding (a completion shorter than the longest, `slot_lengths`) predicts nothing: on the fused kernel
+  the query blocks wholly in it are left out, in both views (the dense view's slots then go into the batch too); on
+  FlexAttention its queries see only themselves, so their blocks are skipped.
 
 Nothing grows with the square of any length: the memory of a block is bounded, and between forward and backward
 only the queries, keys, values and outputs are kept (the fused form rebuilds each block in its own backward; the
@@ -178,11 +181,15 @@ class PackedPlan:
         lengths = self.prompt_lengths.to(device=device, dtype=torch.int32)  # [R]
         limit = self._key_limits(layer_idx, lengths, sliding_window, device)  # [R, S or 1, Hkv or 1, W + N]
         shadow = self.steps is not None
+        fused = fused_blocks(query, slot_value.shape[-1], features, dropout)
+        # The slots into the batch: the shadow view's (a mask row per slot), and on the fused kernel the dense
+        # view's where a slot is shorter than N, so that the query blocks wholly in its padding are left out.
+        by_slot = shadow or (fused and self.slot_lengths is not None and bool((self.slot_lengths < new).any()))
         queries = query.unflatten(2, (slots, new)).transpose(1, 2)  # [R, S, Hq, N, D]
-        if shadow:  # one mask row per slot and recorded KV head (all heads for a latent record): heads into the batch
-            record = check_record_heads(limit.shape[2], kv_heads)
+        if by_slot:  # one mask row per slot and recorded KV head (all heads for a latent record): heads into the batch
+            record = check_record_heads(limit.shape[2], kv_heads) if shadow else 1
             queries, sinks = fold_kv_heads(queries.reshape(rows * slots, q_heads, new, dim), features, record)
-            limit = limit.reshape(rows * slots * record, width + new)  # [R*S*Hrec, W + N]
+            limit = limit.expand(rows, slots, record, -1).reshape(rows * slots * record, width + new)  # [R*S*Hrec, .]
             row_lengths = lengths.repeat_interleave(slots * record)  # [R*S*Hrec]
         else:  # one mask per packed row: the slots into the heads (query head (s, h) reads KV head (s, h // G))
             queries, sinks = queries.reshape(rows, slots * q_heads, new, dim), None  # [R, S*Hq, N, D]
@@ -195,12 +202,12 @@ class PackedPlan:
             prompt = prompt[:, None].expand(rows, slots, kv_heads, width, prompt.shape[-1])
             own = own.unflatten(2, (slots, new)).transpose(1, 2)[:, :, :, :stop]
             joined = torch.cat([prompt, own], dim=3)  # [R, S, Hkv, W + stop, Dk]
-            if shadow:
+            if by_slot:
                 return joined.reshape(rows * slots * record, kv_heads // record, width + stop, -1)
             return joined.reshape(rows, slots * kv_heads, width + stop, -1)
 
         inputs = (query, prompt_key, prompt_value, slot_key, slot_value)
-        if fused_blocks(query, slot_value.shape[-1], features, dropout):
+        if fused:
             def build(prompt_key, prompt_value, slot_key, slot_value):
                 return per_slot(prompt_key, slot_key, new), per_slot(prompt_value, slot_value, new)
 
@@ -208,9 +215,9 @@ class PackedPlan:
             # The dense view in blocks of `DENSE_BLOCK`: two kernel calls each (the earlier keys, then the block's
             # own keys causally; rows of padded prompts, which see different numbers of prompt keys, in groups).
             block = None if shadow else min(new, DENSE_BLOCK)
-            fold = record if shadow else 1  # [R*S, Hq, N, Dv] or [R, S*Hq, N, Dv]
-            counted = None  # the shadow view's slots: their padding's query blocks left out
-            if shadow and self.slot_lengths is not None:
+            fold = record if by_slot else 1  # [R*S, Hq, N, Dv] or [R, S*Hq, N, Dv]
+            counted = None  # the slots' padding's query blocks left out
+            if by_slot and self.slot_lengths is not None:
                 counted = self.slot_lengths.to(device).reshape(rows * slots).repeat_interleave(record)  # [R*S*Hrec]
             out = visible_attention(queries, build, inputs[1:], limit, query_pos, width, scaling, block=block,
                                     fold=fold, lengths=counted)  # fmt: skip
