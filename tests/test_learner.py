@@ -266,6 +266,35 @@ def test_dense_slot_attention_leaves_out_a_slots_padding(model64, monkeypatch):
     assert all((grads[name] - grad).abs().max() <= 1e-12 for name, grad in expected_grads.items())
 
 
+def test_dense_rows_leave_out_padding_blocks(model64, monkeypatch):
+    """Per row, the dense view runs the fused causal kernel over whole rows unless a row's padding fills whole
+    `DENSE_BLOCK` query blocks: then `visible_attention`'s blocks, which leave those out; log-probs and gradients stay
+    the whole-row kernel's."""
+    import lit_smd.kv.blocked as blocked
+    import lit_smd.kv.rows as rows_module
+
+    model = model64("qwen3")
+    rollout = _rollout(model)  # rows of 52, 47, 43 (prompt 40) and 42, 38, 43 (prompt 31) tokens, width 52
+
+    def hidden():
+        return learner_hidden_states(model, rollout, shadow=False, layout="per_row").hidden
+
+    expected, expected_grads = _logprobs_and_grads(model, rollout, hidden)  # one fused call per layer
+    walked = []
+    spy_on_blocks(monkeypatch, lambda limit, start, stop, groups: walked.append((start, stop, groups)))
+    assert not walked
+    for module in (blocked, rows_module):
+        monkeypatch.setattr(module, "DENSE_BLOCK", 16)
+    monkeypatch.setattr(blocked, "VISIBLE_BLOCK", 4)  # below DENSE_BLOCK, as by default: the blocks grow to it
+    logprobs, grads = _logprobs_and_grads(model, rollout, hidden)
+    assert (logprobs - expected).abs().max() <= 1e-12
+    assert all((grads[name] - grad).abs().max() <= 1e-12 for name, grad in expected_grads.items())
+    first_layer = walked[:4]
+    assert [(start, stop) for start, stop, _ in first_layer] == [(0, 16), (16, 32), (32, 48), (48, 52)]
+    counted = [sorted(torch.arange(6)[group.rows].tolist()) for _, _, groups in first_layer for group in groups]
+    assert counted == [[0, 1, 2, 3, 4, 5]] * 3 + [[0]]  # only the 52-token row reaches column 48
+
+
 def test_checkpointed_slot_attention_holds_only_storage_autograd_keeps_anyway(model64, monkeypatch):
     """The checkpoint keeps its inputs for the recomputation; they must be slices of tensors saved elsewhere, or the
     activation memory the benchmark counts (saved tensors) would miss them."""

@@ -1,10 +1,12 @@
 """The per-row layout's attention: right-padded rows whose column index is the logical position.
 
 `causal_rows_attention` serves `lit_smd.kv.shadow.AttentionPlan` (`score()`, ``learner_layout="per_row"``, SMD under
-FSDP2 when prompts cannot be shared, fallback rows) and the prompt rows of `lit_smd.kv.packed`. The dense view without
-a sliding window needs no mask at all (causal attention hides right padding from real queries) and runs SDPA's fused
-causal kernel; otherwise the visibility is built per query block from the eviction steps (`lit_smd.kv.blocked`): the
-CPU's fused `visible_attention`, or checkpointed SDPA blocks over each block's live keys.
+FSDP2 when prompts cannot be shared, fallback rows) and the prompt rows of `lit_smd.kv.packed`. The dense view without a
+sliding window needs no mask at all (causal attention hides right padding from real queries) and runs SDPA's fused
+causal kernel (on the CPU, where a row's padding fills whole `DENSE_BLOCK` query blocks, `visible_attention`'s blocks
+instead, which leave those out: rows of very different lengths); otherwise the visibility is built per query block from
+the eviction steps (`lit_smd.kv.blocked`): the CPU's fused `visible_attention`, or checkpointed SDPA blocks over each
+block's live keys.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import torch
 from torch import Tensor
 
 from lit_smd.kv.blocked import (
+    DENSE_BLOCK,
     NEVER,
     block_attention,
     check_record_heads,
@@ -64,9 +67,11 @@ def causal_rows_attention(
     batch, q_heads, width, _ = query.shape
     kv_heads = key.shape[1]
     windowed = sliding_window is not None and sliding_window < width
-    if steps is None and not windowed and features.plain:
+    fused = fused_blocks(query, value.shape[-1], features, dropout)
+    if steps is None and not windowed and features.plain and not (fused and _padding_fills_a_block(lengths, width)):
         # Causal attention hides the right padding from every real query; padding queries see real keys too, and
-        # their outputs predict nothing. The fused causal kernel, no mask.
+        # their outputs predict nothing. The fused causal kernel, no mask (on the CPU's, unless a row's padding
+        # fills whole `DENSE_BLOCK` query blocks: `visible_attention` below leaves those out).
         return attention(query, key, value, None, scaling, features, dropout=dropout)
     device = query.device
     lengths = lengths.to(device)
@@ -84,7 +89,7 @@ def causal_rows_attention(
     if windowed:
         limit = torch.minimum(limit, positions + sliding_window)
 
-    if fused_blocks(query, value.shape[-1], features, dropout):
+    if fused:
         return visible_attention(query, _as_built, (key, value), limit, positions[None], 0, scaling,
                                  fold=query.shape[0] // batch, lengths=lengths)  # [B, Hq, T, Dv]
 
@@ -112,3 +117,9 @@ def causal_rows_attention(
 
 def _as_built(key: Tensor, value: Tensor) -> tuple[Tensor, Tensor]:
     return key, value
+
+
+def _padding_fills_a_block(lengths: Tensor, width: int) -> bool:
+    """Whether some row ends at or before the last `DENSE_BLOCK` query block of a ``width``-column pass (the dense
+    view's blocks in `visible_attention`), so that block is padding for it."""
+    return int(lengths.min()) <= (width - 1) // DENSE_BLOCK * DENSE_BLOCK
