@@ -28,7 +28,8 @@
 #                8192+1024 (DECODE_ARGS replaces these flags), eager and compiled; GPU memory after generate
 #                returns                                                                                 the time left
 # GPU_CHECK_PARTS (default "tests blocks learner decode") names the parts to run; LEARNER_ARGS adds flags to the
-# learner part (e.g. "--masks lifetimes recent prefill").
+# learner part (e.g. "--masks lifetimes recent prefill"), BLOCKS_ARGS to the blocks part (e.g. "--shortest-completion
+# 0.25": completions of different lengths, each view with and without the slots' lengths).
 # Without a CUDA device (or with GPU_CHECK_TOY=1) every part runs at toy size on the CPU (`--toy`, seconds): the
 # test suite runs it so (tests/test_gpu_check.py).
 set -u
@@ -92,7 +93,8 @@ part() {  # part NAME SECONDS COMMAND...: at most SECONDS, and never past the ch
 part tests 150 $PY -m pytest -q -p no:cacheprovider tests/kv/test_flex_cuda.py --junit-xml=/tmp/junit.xml \
     > "$OUT/tests.txt" 2>&1
 cat "$OUT/tests.txt"
-part blocks 100 $PY benchmarks/bench_flex_blocks.py "${BLOCKS[@]}" --markdown "$OUT/blocks.md"
+read -r -a BLOCKS_EXTRA <<< "${BLOCKS_ARGS:-}"
+part blocks 100 $PY benchmarks/bench_flex_blocks.py "${BLOCKS[@]}" "${BLOCKS_EXTRA[@]}" --markdown "$OUT/blocks.md"
 read -r -a LEARNER <<< "${LEARNER_ARGS:-}"
 part learner 240 $PY benchmarks/gpu_learner.py "${ARGS[@]}" --profile "${LEARNER[@]}" --json "$OUT/learner.json" \
     --markdown "$OUT/learner.md"

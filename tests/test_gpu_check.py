@@ -84,7 +84,7 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_fallback(tmp_path):
     _wheel(wheels, "gpu_check_probe", "1.0")
     (wheels / "needs.txt").write_text("gpu-check-probe\t>=1.0\tlit_smd\n")
     env = {**os.environ, "OUT": str(out), "WHEELS": str(wheels), "SITE": str(site), "PYTHON": sys.executable,
-           "GPU_CHECK_TOY": "1", "OMP_NUM_THREADS": "1"}  # fmt: skip
+           "GPU_CHECK_TOY": "1", "OMP_NUM_THREADS": "1", "BLOCKS_ARGS": "--shortest-completion 0.5"}  # fmt: skip
     done = subprocess.run(["bash", str(BENCHMARKS / "gpu_check.sh")], env=env, capture_output=True, text=True,
                           timeout=600)  # fmt: skip
     assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
@@ -123,3 +123,4 @@ def test_gpu_check_runs_end_to_end_on_the_cpu_fallback(tmp_path):
     assert "# Decode" in summary and "# Learner" in summary and "installed 1 of 1 carried wheels" in summary
     assert "decode: rc=0" in done.stdout and "learner: rc=0" in done.stdout and "tests: rc=" in done.stdout
     assert "blocks: rc=0" in done.stdout and "| recent | shadow |" in summary
+    assert "| recent | dense, padding computed |" in summary  # BLOCKS_ARGS reached the blocks part
