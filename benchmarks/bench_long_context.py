@@ -4,7 +4,7 @@ One cell = one model, one sweep (long prompt with a short completion, or short p
 length and one learner layout. Every step is the code of `lit_smd.modules.GRPOModule.training_step` on one on-policy
 batch, called through the same functions (`lit_smd.modules._grpo_smd.grpo_pass`, which runs
 `lit_smd.learner.learner_hidden_states`; the chunked log-prob head `lit_smd.losses.token_logprobs_and_entropy`, for
-``smd`` `lit_smd.losses.token_logprobs` without gradient;
+``smd`` `lit_smd.losses.token_logprobs` without gradient, over the completion tokens only, as the module projects them;
 `lit_smd.losses.group_advantages` and `lit_smd.losses.policy_loss`; for ``smd`` the shadow-masked pass plus
 `lit_smd.modules._grpo_smd.smd_loss_and_kl`, the KL to the no-grad dense teacher `lit_smd.learner.dense_hidden_states`
 with the policy gradient pushed through the head in the same pass), then ``loss.backward()``. No optimizer step.
@@ -97,7 +97,7 @@ from lit_smd.kv import NEVER, ShadowMask
 from lit_smd.learner import learner_hidden_states, score
 from lit_smd.losses import group_advantages, policy_loss, token_logprobs, token_logprobs_and_entropy
 from lit_smd.losses.head import CPU_CHUNK_BYTES, logits_chunk_rows, output_head
-from lit_smd.modules._grpo_smd import grpo_pass, smd_loss_and_kl
+from lit_smd.modules._grpo_smd import at_rows, grpo_pass, head_rows, rows_of, smd_loss_and_kl
 from lit_smd.rollout import Rollout, generate
 
 MODES = ("dense", "naive", "smd")
@@ -356,12 +356,15 @@ def grpo_learner_step(
     learner = grpo_pass(policy, rollout, layout, shadow=smd, keep_prompt_kv=teacher)
     mark("pass")
     head, ids = output_head(policy), rollout.completion_ids
+    rows = head_rows(rollout.completion_mask)  # [B, N]: only the completion tokens reach the vocabulary
+    hidden, ids = rows_of(learner.hidden, rows), rows_of(ids, rows)  # [1, M, H], [1, M]
     if teacher:  # smd: the policy term's gradient reaches the head in the KL's pass, which gives the entropy
         with torch.no_grad():
-            logprobs = token_logprobs(learner.hidden, head, ids, chunk_size=chunk_size)
-        logprobs.requires_grad_()
+            logprobs = token_logprobs(hidden, head, ids, chunk_size=chunk_size)
+        logprobs = at_rows(logprobs, rows, rollout.completion_mask.shape).requires_grad_()
     else:
-        logprobs, _ = token_logprobs_and_entropy(learner.hidden, head, ids, chunk_size=chunk_size)
+        logprobs = at_rows(token_logprobs_and_entropy(hidden, head, ids, chunk_size=chunk_size)[0], rows,
+                           rollout.completion_mask.shape)  # fmt: skip
     loss = policy_loss(logprobs, logprobs.detach(), advantages, rollout.completion_mask, loss_type="grpo").loss
     mark("head")
     if teacher:

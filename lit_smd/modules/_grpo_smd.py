@@ -106,6 +106,25 @@ def smd_kl(
     return chunked_token_kl(dense_hidden, head, masked_hidden.detach(), teacher_head=head, **reverse, **common)
 
 
+def head_rows(mask: Tensor) -> Tensor | None:
+    """``[B, N]`` bool: the positions whose hidden states reach the vocabulary projection, ``mask``'s (the padding
+    predicts nothing); None where that is every position, or none (a chunked pass needs a row): all of them then."""
+    kept = int(mask.sum())
+    return None if kept in (0, mask.numel()) else mask
+
+
+def rows_of(values: Tensor, rows: Tensor | None) -> Tensor:
+    """``values [B, N, ...]`` at the positions of ``rows`` (`head_rows`) as one row ``[1, M, ...]``; for None all
+    of them, a view."""
+    return values.flatten(0, 1)[None] if rows is None else values[rows][None]
+
+
+def at_rows(values: Tensor, rows: Tensor | None, shape: torch.Size) -> Tensor:
+    """``values [1, M]`` of the positions of ``rows`` (`head_rows`) laid out ``shape`` (``[B, N]``), 0 elsewhere
+    (differentiable)."""
+    return values.view(shape) if rows is None else values.new_zeros(shape).masked_scatter(rows, values[0])
+
+
 def smd_loss_and_kl(
     policy: PreTrainedModel,
     rollout: Rollout,
@@ -126,7 +145,8 @@ def smd_loss_and_kl(
     ``logprobs`` are the masked pass's log-probs taken without gradient (``token_logprobs`` on ``masked.hidden``
     under ``no_grad``: no entropy, which the KL's pass computes anyway), made a leaf that requires grad before
     ``policy_loss`` was computed from them: five vocabulary projections per chunk in all, against six when the
-    log-probs carry the gradient (`lit_smd.losses.logprobs.token_logprobs_and_kl`).
+    log-probs carry the gradient (`lit_smd.losses.logprobs.token_logprobs_and_kl`). Only the positions of the
+    completion mask, of ``mask`` and where the policy term has a gradient reach the vocabulary projection.
 
     Args:
         policy: The policy.
@@ -143,7 +163,7 @@ def smd_loss_and_kl(
     Returns:
         ``(loss, kl, entropy)``: the scalar loss to back-propagate, the KL's detached `KLOutput` (``forward_kl`` its
         value) and the ``[B, N]`` entropy of the masked view's temperature-scaled distribution (detached; what
-        ``token_logprobs_and_entropy`` gives).
+        ``token_logprobs_and_entropy`` gives; 0 at the positions not projected).
     """
     if policy_loss.requires_grad:
         (logprob_grad,) = torch.autograd.grad(policy_loss, logprobs)  # [B, N]
@@ -152,9 +172,12 @@ def smd_loss_and_kl(
     head = output_head(policy)
     with torch.no_grad(), report_phase(phase_owner, "teacher"):
         dense_hidden = dense_hidden_states(policy, rollout, masked)  # [B, N, H]
-    entropy = logprobs.new_empty(logprobs.shape)  # [B, N]
+    rows = head_rows(rollout.completion_mask | mask | (logprob_grad != 0))  # [B, N]: the padding is not projected
+    hidden = rows_of(masked.hidden, rows)  # [1, M, H]
+    entropy = logprobs.new_empty(hidden.shape[:2])  # [1, M]
     head_loss, kl = kl_with_policy_grad(
-        masked.hidden, head, rollout.completion_ids, logprob_grad, dense_hidden, head, kl_coef=kl_coef,
-        temperature=temperature, mask=mask, chunk_size=chunk_size, entropy_out=entropy,
+        hidden, head, rows_of(rollout.completion_ids, rows), rows_of(logprob_grad, rows), rows_of(dense_hidden, rows),
+        head, kl_coef=kl_coef, temperature=temperature, mask=rows_of(mask, rows), chunk_size=chunk_size,
+        entropy_out=entropy,
     )  # fmt: skip
-    return policy_loss.detach() + head_loss, kl, entropy
+    return policy_loss.detach() + head_loss, kl, at_rows(entropy, rows, mask.shape)

@@ -131,7 +131,7 @@ from lit_smd.modules._grpo_metrics import (
     rollout_correction_metrics,
     synchronize,
 )
-from lit_smd.modules._grpo_smd import grpo_pass, smd_kl, smd_loss_and_kl
+from lit_smd.modules._grpo_smd import at_rows, grpo_pass, head_rows, rows_of, smd_kl, smd_loss_and_kl
 from lit_smd.rollout import Rollout
 
 __all__ = ["GRPOModule", "Mode"]
@@ -329,7 +329,7 @@ class GRPOModule(LightningModule):
     def forward(self, rollout: Rollout) -> Tensor:
         """Log-probs ``[B, N]`` of the completion tokens under the learner's view (masked for smd, else dense)."""
         hidden = self._pass(self.policy, rollout, shadow=self.uses_shadow_view).hidden  # [B, N, H]
-        logprobs, _ = self._token_logprobs(self.policy, hidden, rollout.completion_ids)
+        logprobs, _ = self._token_logprobs(self.policy, hidden, rollout.completion_ids, rollout.completion_mask)
         return logprobs.masked_fill(~rollout.completion_mask, 0.0)
 
     # ------------------------------------------------------------------------------------------------- training
@@ -344,12 +344,17 @@ class GRPOModule(LightningModule):
         keep_prompt_kv = smd_teacher and self.kl_stop_gradient == "dense"  # the dense teacher reuses the prompt
         learner = self._pass(self.policy, rollout, shadow=self.uses_shadow_view, keep_prompt_kv=keep_prompt_kv)
         if keep_prompt_kv:  # without gradient: the policy term's reaches the head in the KL's pass (smd_loss_and_kl)
+            rows = head_rows(rollout.completion_mask)  # [B, N]: the padding never reaches the vocabulary projection
             with torch.no_grad():  # no entropy: the KL's pass gives it
-                logprobs = token_logprobs(learner.hidden, output_head(self.policy), rollout.completion_ids,
-                                          temperature=self.temperature, chunk_size=self._chunk_rows())  # fmt: skip
-            logprobs.requires_grad_()  # [B, N], the leaf the policy loss's gradient is taken at
+                logprobs = token_logprobs(rows_of(learner.hidden, rows), output_head(self.policy),
+                                          rows_of(rollout.completion_ids, rows), temperature=self.temperature,
+                                          chunk_size=self._chunk_rows())  # fmt: skip
+            logprobs = at_rows(logprobs, rows, rollout.completion_mask.shape)  # [B, N]
+            logprobs.requires_grad_()  # the leaf the policy loss's gradient is taken at
         else:
-            logprobs, entropy = self._token_logprobs(self.policy, learner.hidden, rollout.completion_ids)  # [B, N] x2
+            logprobs, entropy = self._token_logprobs(
+                self.policy, learner.hidden, rollout.completion_ids, rollout.completion_mask
+            )  # [B, N] x2
         # The learner's view before the update: on-policy, this very pass (so the first ratio is exactly 1).
         old_logprobs = logprobs.detach() if batch.old_logprobs is None else batch.old_logprobs  # [B, N]
         loss_mask, token_weights, metrics = batch.loss_mask, batch.token_weights, {}
@@ -503,11 +508,17 @@ class GRPOModule(LightningModule):
         """Rows per logits chunk: ``logits_chunk_size``, or by device and vocabulary when None."""
         return output_head(self.policy).chunk_rows(self.logits_chunk_size)
 
-    def _token_logprobs(self, model: PreTrainedModel, hidden: Tensor, ids: Tensor) -> tuple[Tensor, Tensor]:
-        head = output_head(model)
-        return token_logprobs_and_entropy(
-            hidden, head, ids, temperature=self.temperature, chunk_size=head.chunk_rows(self.logits_chunk_size)
-        )
+    def _token_logprobs(
+        self, model: PreTrainedModel, hidden: Tensor, ids: Tensor, mask: Tensor
+    ) -> tuple[Tensor, Tensor]:
+        """Log-probs and entropy ``[B, N]`` of ``ids``; only the positions of ``mask`` (`head_rows`) are projected to
+        the vocabulary, the others are 0."""
+        head, rows = output_head(model), head_rows(mask)
+        logprobs, entropy = token_logprobs_and_entropy(
+            rows_of(hidden, rows), head, rows_of(ids, rows), temperature=self.temperature,
+            chunk_size=head.chunk_rows(self.logits_chunk_size),
+        )  # [1, M] x2
+        return at_rows(logprobs, rows, ids.shape), at_rows(entropy, rows, ids.shape)
 
     @torch.no_grad()
     def score(self, model: PreTrainedModel, rollout: Rollout, *, shadow: bool) -> Tensor:
@@ -517,6 +528,6 @@ class GRPOModule(LightningModule):
         for start in range(0, len(rollout), step):
             rows = rollout.select(slice(start, start + step))
             hidden = self._pass(model, rows, shadow=shadow).hidden  # [b, N, H]
-            logprobs, _ = self._token_logprobs(model, hidden, rows.completion_ids)
+            logprobs, _ = self._token_logprobs(model, hidden, rows.completion_ids, rows.completion_mask)
             parts.append(logprobs.masked_fill(~rows.completion_mask, 0.0))
         return torch.cat(parts)

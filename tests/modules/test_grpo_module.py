@@ -253,6 +253,67 @@ def test_smd_step_equals_the_policy_loss_plus_the_separately_computed_kl(peaky_m
         torch.testing.assert_close(got, param.grad, rtol=1e-9, atol=1e-12)
 
 
+@pytest.mark.parametrize("mode", ["dense", "smd"])
+def test_only_completion_tokens_reach_the_vocabulary_projection(peaky_model_factory, tokenizer, monkeypatch, mode):
+    """Completions of different lengths: the step projects only the completion tokens to the vocabulary (the head's
+    rows are the mask's), with the loss, the entropy metric and every gradient of projecting the whole batch."""
+    import lit_smd.modules._grpo_smd as smd_module
+    import lit_smd.modules.grpo as grpo_module
+
+    policy = peaky_model_factory()
+    compressor = compressor_for(mode)
+    rollout = sample(policy, tokenizer, compressor, max_new_tokens=7)
+    cut = torch.arange(7)[None, :] >= torch.tensor([7, 3, 5, 1, 7, 6, 2, 4])[:, None]  # rows that stopped early
+    rollout.completion_mask = rollout.completion_mask & ~cut
+    rollout.completion_ids = rollout.completion_ids.masked_fill(cut, 0)
+    rollout.logprobs = rollout.logprobs.masked_fill(cut, 0.0)
+    kl_coef = 0.3 if mode == "smd" else 0.0
+    module = GRPOModule(policy, mode=mode, compressor=compressor, kl_coef=kl_coef, temperature=0.8,
+                        logits_chunk_size=5, rollout_correction=RolloutCorrection("none"))  # fmt: skip
+    rewards = torch.arange(len(rollout), dtype=torch.float64) % 3
+    experience = module.make_experience(ScoredRollout(rollout, rewards, num_generations=4))
+    experience.loss_mask[0, -2:] = False  # the KL averages over the loss mask, the entropy over the completion
+    projected = []  # rows reaching the vocabulary projection per call
+
+    def spy_on(owner, name):
+        original = getattr(owner, name)
+
+        def spy(hidden, *args, **kwargs):
+            projected.append(hidden.shape[:-1])
+            return original(hidden, *args, **kwargs)
+
+        monkeypatch.setattr(owner, name, spy)
+
+    spy_on(grpo_module, "token_logprobs_and_entropy")
+    spy_on(grpo_module, "token_logprobs")
+    spy_on(smd_module, "kl_with_policy_grad")
+    logged = {}
+    module.log = lambda key, value, **kwargs: logged.__setitem__(key, value)
+    loss = module.training_step(experience, 0)
+    loss.backward()
+    mask = rollout.completion_mask
+    assert len(projected) == 2 if mode == "smd" else len(projected) == 1
+    assert all(shape == (1, int(mask.sum())) for shape in projected) and int(mask.sum()) < mask.numel() - 8
+    fused = [p.grad.clone() for p in policy.parameters()]
+    policy.zero_grad()
+
+    hidden = learner_hidden_states(policy, rollout, shadow=mode == "smd").hidden
+    logprobs, entropy = token_logprobs_and_entropy(hidden, output_head(policy), rollout.completion_ids,
+                                                   temperature=0.8, chunk_size=5)  # fmt: skip
+    reference = policy_loss(
+        logprobs, logprobs.detach(), experience.advantages, experience.loss_mask, epsilon=module.epsilon,
+        epsilon_high=module.epsilon_high, loss_type=module.loss_type,
+        max_completion_length=experience.max_completion_length, token_weights=experience.token_weights,
+    ).loss  # fmt: skip
+    if kl_coef:
+        reference = reference + kl_coef * module.smd_kl(rollout, experience.loss_mask).loss
+    reference.backward()
+    torch.testing.assert_close(loss.detach(), reference.detach(), rtol=1e-12, atol=1e-13)
+    torch.testing.assert_close(logged["train/entropy"], entropy[mask].mean(), rtol=1e-12, atol=1e-13)
+    for got, param in zip(fused, policy.parameters(), strict=True):
+        torch.testing.assert_close(got, param.grad, rtol=1e-9, atol=1e-12)
+
+
 def test_chunked_token_logprobs_match_full_log_softmax(peaky_model_factory):
     torch.manual_seed(0)
     hidden = torch.randn(2, 5, 8, dtype=torch.float64, requires_grad=True)
