@@ -96,8 +96,8 @@ import torch
 from lit_smd.kv import NEVER, ShadowMask
 from lit_smd.learner import learner_hidden_states, score
 from lit_smd.losses import group_advantages, policy_loss, token_logprobs, token_logprobs_and_entropy
-from lit_smd.losses.head import CPU_CHUNK_BYTES, logits_chunk_rows, output_head
-from lit_smd.modules._grpo_smd import at_rows, grpo_pass, head_rows, rows_of, smd_loss_and_kl
+from lit_smd.losses.head import CPU_CHUNK_BYTES, at_rows, head_rows, logits_chunk_rows, output_head, rows_of
+from lit_smd.modules._grpo_smd import grpo_pass, smd_loss_and_kl
 from lit_smd.rollout import Rollout, generate
 
 MODES = ("dense", "naive", "smd")

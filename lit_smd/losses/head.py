@@ -17,7 +17,9 @@ own forward, which applies it in the model dtype: the two agree to float roundin
 a softcapped family's sampler and learner differ by bfloat16's rounding of the capped logits.
 
 How many rows a chunk holds, when the modules' ``logits_chunk_size`` is None, is `logits_chunk_rows`: 1024 off the
-CPU; on the CPU as many as keep a float32 ``[rows, vocab]`` buffer on glibc's heap (`CPU_CHUNK_BYTES`).
+CPU; on the CPU as many as keep a float32 ``[rows, vocab]`` buffer on glibc's heap (`CPU_CHUNK_BYTES`). Which rows
+are projected at all: `head_rows` (the positions of a mask, so that the padding of completions that stopped early
+costs no head matmul), `rows_of` (those positions as one row) and `at_rows` (the results laid out again).
 """
 
 from __future__ import annotations
@@ -35,8 +37,11 @@ __all__ = [
     "LOGIT_ATTRIBUTES",
     "LogitTransform",
     "OutputHead",
+    "at_rows",
+    "head_rows",
     "logits_chunk_rows",
     "output_head",
+    "rows_of",
 ]
 
 LOGIT_ATTRIBUTES: dict[str, str] = {
@@ -195,3 +200,22 @@ def logits_chunk_rows(
     element_bytes = 8 if weight_dtype == torch.float64 else 4
     rows = CPU_CHUNK_BYTES // (element_bytes * vocab_size)
     return 1 << min(10, max(0, rows.bit_length() - 1))
+
+
+def head_rows(mask: Tensor) -> Tensor | None:
+    """``[B, N]`` bool: the positions whose hidden states reach the vocabulary projection, ``mask``'s (the padding
+    predicts nothing); None where that is every position, or none (a chunked pass needs a row): all of them then."""
+    kept = int(mask.sum())
+    return None if kept in (0, mask.numel()) else mask
+
+
+def rows_of(values: Tensor, rows: Tensor | None) -> Tensor:
+    """``values [B, N, ...]`` at the positions of ``rows`` (`head_rows`) as one row ``[1, M, ...]``; for None all
+    of them, a view."""
+    return values.flatten(0, 1)[None] if rows is None else values[rows][None]
+
+
+def at_rows(values: Tensor, rows: Tensor | None, shape: torch.Size) -> Tensor:
+    """``values [1, M]`` of the positions of ``rows`` (`head_rows`) laid out ``shape`` (``[B, N]``), 0 elsewhere
+    (differentiable)."""
+    return values.view(shape) if rows is None else values.new_zeros(shape).masked_scatter(rows, values[0])

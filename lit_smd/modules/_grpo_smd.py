@@ -25,7 +25,7 @@ from lit_smd.datamodules.experience import report_phase
 from lit_smd.fsdp import is_sharded
 from lit_smd.kv.flex import Backend
 from lit_smd.learner import LearnerLayout, LearnerPass, dense_hidden_states, learner_hidden_states, shareable_groups
-from lit_smd.losses.head import output_head
+from lit_smd.losses.head import at_rows, head_rows, output_head, rows_of
 from lit_smd.losses.kl import KLOutput, chunked_token_kl
 from lit_smd.losses.logprobs import kl_with_policy_grad
 from lit_smd.rollout import Rollout
@@ -104,25 +104,6 @@ def smd_kl(
     dense_hidden = grpo_pass(policy, rollout, layout, shadow=False, backend=backend).hidden  # [B, N, H]
     reverse = {"forward_weight": 0.0, "reverse_weight": 1.0}
     return chunked_token_kl(dense_hidden, head, masked_hidden.detach(), teacher_head=head, **reverse, **common)
-
-
-def head_rows(mask: Tensor) -> Tensor | None:
-    """``[B, N]`` bool: the positions whose hidden states reach the vocabulary projection, ``mask``'s (the padding
-    predicts nothing); None where that is every position, or none (a chunked pass needs a row): all of them then."""
-    kept = int(mask.sum())
-    return None if kept in (0, mask.numel()) else mask
-
-
-def rows_of(values: Tensor, rows: Tensor | None) -> Tensor:
-    """``values [B, N, ...]`` at the positions of ``rows`` (`head_rows`) as one row ``[1, M, ...]``; for None all
-    of them, a view."""
-    return values.flatten(0, 1)[None] if rows is None else values[rows][None]
-
-
-def at_rows(values: Tensor, rows: Tensor | None, shape: torch.Size) -> Tensor:
-    """``values [1, M]`` of the positions of ``rows`` (`head_rows`) laid out ``shape`` (``[B, N]``), 0 elsewhere
-    (differentiable)."""
-    return values.view(shape) if rows is None else values.new_zeros(shape).masked_scatter(rows, values[0])
 
 
 def smd_loss_and_kl(

@@ -101,7 +101,7 @@ from lit_smd.kv.flex import Backend, check_backend
 from lit_smd.learner import LearnerLayout, LearnerPass, check_learner_layout
 from lit_smd.lora import LoraSettings, check_lora
 from lit_smd.losses.grpo import LossType, ScaleRewards, policy_loss
-from lit_smd.losses.head import output_head
+from lit_smd.losses.head import at_rows, head_rows, output_head, rows_of
 from lit_smd.losses.kl import KLOutput
 from lit_smd.losses.logprobs import token_logprobs, token_logprobs_and_entropy
 from lit_smd.losses.rollout_correction import RolloutCorrection, rollout_correction
@@ -131,7 +131,7 @@ from lit_smd.modules._grpo_metrics import (
     rollout_correction_metrics,
     synchronize,
 )
-from lit_smd.modules._grpo_smd import at_rows, grpo_pass, head_rows, rows_of, smd_kl, smd_loss_and_kl
+from lit_smd.modules._grpo_smd import grpo_pass, smd_kl, smd_loss_and_kl
 from lit_smd.rollout import Rollout
 
 __all__ = ["GRPOModule", "Mode"]

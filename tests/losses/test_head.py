@@ -4,7 +4,16 @@ import pytest
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lit_smd.losses.head import CPU_CHUNK_BYTES, LogitTransform, OutputHead, logits_chunk_rows, output_head
+from lit_smd.losses.head import (
+    CPU_CHUNK_BYTES,
+    LogitTransform,
+    OutputHead,
+    at_rows,
+    head_rows,
+    logits_chunk_rows,
+    output_head,
+    rows_of,
+)
 from lit_smd.losses.kl import chunked_token_kl, token_kl
 from lit_smd.losses.kl_topk import topk_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
@@ -150,3 +159,21 @@ def test_logits_chunk_rows_off_the_cpu_and_when_given():
     assert head.chunk_rows(None) == 128 and head.chunk_rows(3) == 3
     assert OutputHead(torch.zeros(49152, 4, dtype=torch.float64)).chunk_rows(None) == 64  # float64 logits: 8 B each
     assert OutputHead(torch.zeros(49152, 4, dtype=torch.bfloat16)).chunk_rows(None) == 128  # float32 logits
+
+
+def test_head_rows_select_the_masked_positions_and_lay_them_out_again():
+    mask = torch.tensor([[True, True, False], [True, False, False]])
+    rows = head_rows(mask)
+    assert rows is mask
+    hidden = torch.arange(12.0).view(2, 3, 2).requires_grad_()
+    taken = rows_of(hidden, rows)  # [1, 3, 2]: positions (0, 0), (0, 1), (1, 0)
+    assert torch.equal(taken, torch.tensor([[[0.0, 1.0], [2.0, 3.0], [6.0, 7.0]]]))
+    laid_out = at_rows(taken.sum(-1), rows, mask.shape)
+    assert torch.equal(laid_out, torch.tensor([[1.0, 5.0, 0.0], [13.0, 0.0, 0.0]]))
+    laid_out.sum().backward()
+    assert torch.equal(hidden.grad, mask[..., None].expand(-1, -1, 2).float())  # the padding gets no gradient
+    for every in (torch.ones_like(mask), torch.zeros_like(mask)):  # all (or none: a chunked pass needs a row)
+        assert head_rows(every) is None
+        view = rows_of(hidden, None)
+        assert view.shape == (1, 6, 2) and view.data_ptr() == hidden.data_ptr()  # a view, nothing copied
+        assert at_rows(view.sum(-1), None, mask.shape).shape == mask.shape
