@@ -79,7 +79,7 @@ from lit_smd.fsdp import gathered
 from lit_smd.learner import LearnerLayout, check_learner_layout, learner_hidden_states
 from lit_smd.lora import LoraSettings, check_lora
 from lit_smd.losses.grpo import masked_mean
-from lit_smd.losses.head import output_head
+from lit_smd.losses.head import head_rows, output_head, rows_of
 from lit_smd.losses.kl import chunked_token_kl, sampled_reverse_kl
 from lit_smd.losses.kl_topk import TailMode, topk_token_kl
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
@@ -268,16 +268,17 @@ class DistillModule(LightningModule):
             with gathered(self.student, layers=True):  # FSDP2: the whole student for the probe
                 generator = torch.Generator(self.device).manual_seed(self.sampling_seed)
                 rollout = self._generate(self.student, prompts, generator)
-                hidden = self._hidden(self.student, rollout)  # [B, N, H]
+                rows = head_rows(rollout.completion_mask)  # the completion tokens only reach the projection
+                hidden = rows_of(self._hidden(self.student, rollout), rows)  # [1, M, H]
                 head = output_head(self.student)
                 _, entropy = token_logprobs_and_entropy(
-                    hidden, head, rollout.completion_ids, temperature=self.temperature,
+                    hidden, head, rows_of(rollout.completion_ids, rows), temperature=self.temperature,
                     chunk_size=head.chunk_rows(self.logits_chunk_size),
-                )
+                )  # [1, M]
         finally:
             self.student.train(was_training)
         return ProbeStats(
-            entropy=float(masked_mean(entropy.detach().double(), rollout.completion_mask)),
+            entropy=float(masked_mean(entropy.detach().double(), rows_of(rollout.completion_mask, rows))),
             response_length=float(rollout.completion_lengths.double().mean()),
             truncated_fraction=float(rollout.truncated.double().mean()),
         )
@@ -333,12 +334,13 @@ class DistillModule(LightningModule):
         Returns:
             The scalar loss (token mean over ``rollout.completion_mask``) and the statistics by log key.
         """
-        mask = rollout.completion_mask  # [B, N]
+        rows = head_rows(rollout.completion_mask)  # only the completion tokens reach the vocabulary projections
+        mask = rows_of(rollout.completion_mask, rows)  # [1, M]: every statistic below is over these positions
         head = output_head(self.student)
         chunk = head.chunk_rows(self.logits_chunk_size)
         weights = {"forward_weight": self.forward_weight, "reverse_weight": self.reverse_weight}
         common = {"temperature": self.temperature, "mask": mask, "chunk_size": chunk}
-        student_hidden = self._hidden(self.student, rollout)  # [B, N, H]
+        student_hidden = rows_of(self._hidden(self.student, rollout), rows)  # [1, M, H]
         if self.estimator == "topk":
             if cached is None:
                 ids, logprobs = teacher_topk_logprobs(
@@ -346,20 +348,21 @@ class DistillModule(LightningModule):
                 )
             else:
                 ids, logprobs = cached[0][..., : self.top_k], cached[1][..., : self.top_k]  # [B, N, k]
+            ids, logprobs = rows_of(ids, rows), rows_of(logprobs, rows)  # [1, M, k]
             out = topk_token_kl(student_hidden, ids, logprobs, head=head, tail=self.tail, **weights, **common)
-            teacher_top1 = ids[..., 0].long()  # [B, N]: the top-k is sorted by decreasing log-prob
+            teacher_top1 = ids[..., 0].long()  # [1, M]: the top-k is sorted by decreasing log-prob
         else:
             teacher_head = output_head(self.teacher)
             with torch.no_grad():
-                teacher_hidden = self._hidden(self.teacher, rollout)  # [B, N, H_T]
-            teacher_top1 = teacher_head.argmax(teacher_hidden, chunk)  # [B, N]
+                teacher_hidden = rows_of(self._hidden(self.teacher, rollout), rows)  # [1, M, H_T]
+            teacher_top1 = teacher_head.argmax(teacher_hidden, chunk)  # [1, M]
         if self.estimator == "full":
             out = chunked_token_kl(student_hidden, head, teacher_hidden, teacher_head=teacher_head, **weights, **common)
         if self.estimator == "sampled":
-            ids = rollout.completion_ids
+            ids = rows_of(rollout.completion_ids, rows)  # [1, M]
             logprobs, entropy = token_logprobs_and_entropy(
                 student_hidden, head, ids, temperature=self.temperature, chunk_size=chunk
-            )  # [B, N] each, with gradient
+            )  # [1, M] each, with gradient
             with torch.no_grad():
                 teacher_logprobs, _ = token_logprobs_and_entropy(
                     teacher_hidden, teacher_head, ids, temperature=self.temperature, chunk_size=chunk
@@ -376,7 +379,7 @@ class DistillModule(LightningModule):
                 "distill/reverse_kl": out.reverse_kl,
                 "distill/student_entropy": out.student_entropy,
             }
-        student_top1 = head.argmax(student_hidden, chunk)  # [B, N]
+        student_top1 = head.argmax(student_hidden, chunk)  # [1, M]
         metrics["distill/top1_agreement"] = masked_mean((student_top1 == teacher_top1).double(), mask)
         return loss, metrics
 

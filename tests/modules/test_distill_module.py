@@ -184,6 +184,52 @@ def test_full_loss_and_gradients_match_naive_kl_on_independent_forward_passes(to
 
 
 @pytest.mark.parametrize("estimator", ["full", "topk", "sampled"])
+def test_only_completion_tokens_reach_the_vocabulary_projection(tokenizer, monkeypatch, estimator):
+    """Completions of different lengths: the student's and teacher's projections take the completion tokens only,
+    with the loss, the statistics and the gradients of projecting the whole batch (float64)."""
+    import lit_smd.losses.head as head_module
+    import lit_smd.modules.distill as distill_module
+
+    student = build_tiny_model("qwen3", tokenizer=tokenizer, dtype=torch.float64)
+    teacher = build_tiny_model("qwen3", tokenizer=tokenizer, dtype=torch.float64, **TEACHER)
+    weights = (0.0, 1.0) if estimator == "sampled" else (0.7, 0.3)  # sampled: the reverse KL only
+    module = DistillModule(student, teacher, estimator=estimator, forward_weight=weights[0], reverse_weight=weights[1],
+                           max_new_tokens=6, logits_chunk_size=4, top_k=5)  # fmt: skip
+    dm = data(tokenizer)
+    dm.setup()
+    rollout = module(dm.collate([0, 1, 2]))
+    cut = torch.arange(rollout.completion_ids.shape[1])[None, :] >= torch.tensor([6, 2, 4])[:, None]
+    rollout.completion_mask = rollout.completion_mask & ~cut
+    rollout.completion_ids = rollout.completion_ids.masked_fill(cut, 0)
+    projected = []  # rows of every argmax (top-1 statistics): student and, for full / sampled, teacher
+    argmax = head_module.OutputHead.argmax
+
+    def spy(self, hidden, chunk):
+        projected.append(hidden.shape[:-1])
+        return argmax(self, hidden, chunk)
+
+    monkeypatch.setattr(head_module.OutputHead, "argmax", spy)
+    results = {}
+    for compact in (True, False):  # False: every position projected, as before
+        if not compact:
+            monkeypatch.setattr(distill_module, "head_rows", lambda mask: None)
+        student.zero_grad()
+        loss, metrics = module.distill_loss(rollout)
+        loss.backward()
+        results[compact] = loss.detach(), metrics, [p.grad.clone() for p in student.parameters()]
+    kept = int(rollout.completion_mask.sum())
+    assert kept < rollout.completion_mask.numel()
+    assert set(projected[: len(projected) // 2]) == {(1, kept)}
+    (loss, metrics, grads), (whole_loss, whole_metrics, whole_grads) = results[True], results[False]
+    torch.testing.assert_close(loss, whole_loss, rtol=1e-12, atol=1e-14)
+    assert metrics.keys() == whole_metrics.keys()
+    for key, value in metrics.items():
+        torch.testing.assert_close(value, whole_metrics[key], rtol=1e-12, atol=1e-14, msg=key)
+    for got, want in zip(grads, whole_grads, strict=True):
+        torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-14)
+
+
+@pytest.mark.parametrize("estimator", ["full", "topk", "sampled"])
 def test_shared_prefix_layout_equals_per_row_on_repeated_prompts(tokenizer, estimator):
     """Several samples of a prompt in consecutive rows (as a teacher cache with ``num_samples > 1`` stores them) are
     scored with the prompt encoded once: loss, statistics and student gradients equal the per-row pass in float64."""
