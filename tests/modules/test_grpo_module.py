@@ -217,6 +217,25 @@ def test_smd_kl_matches_a_full_logits_reference(peaky_model_factory, tokenizer, 
         torch.testing.assert_close(chunked, param.grad, rtol=1e-8, atol=1e-10)
 
 
+def _step_one_by_one(module, rollout, experience, *, shadow: bool):
+    """The step's loss (back-propagated) and entropy ``[B, N]`` from the learner pass, `token_logprobs_and_entropy`
+    over the whole batch, `policy_loss` and (``kl_coef``) `GRPOModule.smd_kl`, run one by one (temperature 0.8,
+    chunks of 5 rows)."""
+    policy = module.policy
+    hidden = learner_hidden_states(policy, rollout, shadow=shadow).hidden
+    logprobs, entropy = token_logprobs_and_entropy(hidden, output_head(policy), rollout.completion_ids,
+                                                   temperature=0.8, chunk_size=5)  # fmt: skip
+    reference = policy_loss(
+        logprobs, logprobs.detach(), experience.advantages, experience.loss_mask, epsilon=module.epsilon,
+        epsilon_high=module.epsilon_high, loss_type=module.loss_type,
+        max_completion_length=experience.max_completion_length, token_weights=experience.token_weights,
+    ).loss  # fmt: skip
+    if module.kl_coef:
+        reference = reference + module.kl_coef * module.smd_kl(rollout, experience.loss_mask).loss
+    reference.backward()
+    return reference, entropy
+
+
 @pytest.mark.parametrize("kl_coef", [0.0, 0.3])
 def test_smd_step_equals_the_policy_loss_plus_the_separately_computed_kl(peaky_model_factory, tokenizer, kl_coef):
     """The step's policy gradient carried by the KL's pass (`smd_loss_and_kl`) against `token_logprobs_and_entropy`,
@@ -235,17 +254,7 @@ def test_smd_step_equals_the_policy_loss_plus_the_separately_computed_kl(peaky_m
     fused = [p.grad.clone() for p in policy.parameters()]
     policy.zero_grad()
 
-    hidden = learner_hidden_states(policy, rollout, shadow=True).hidden
-    logprobs, entropy = token_logprobs_and_entropy(hidden, output_head(policy), rollout.completion_ids,
-                                                   temperature=0.8, chunk_size=5)  # fmt: skip
-    reference = policy_loss(
-        logprobs, logprobs.detach(), experience.advantages, experience.loss_mask, epsilon=module.epsilon,
-        epsilon_high=module.epsilon_high, loss_type=module.loss_type,
-        max_completion_length=experience.max_completion_length, token_weights=experience.token_weights,
-    ).loss  # fmt: skip
-    if kl_coef:
-        reference = reference + kl_coef * module.smd_kl(rollout, experience.loss_mask).loss
-    reference.backward()
+    reference, entropy = _step_one_by_one(module, rollout, experience, shadow=True)
     torch.testing.assert_close(loss.detach(), reference.detach(), rtol=1e-12, atol=1e-13)
     mask = rollout.completion_mask
     torch.testing.assert_close(logged["train/entropy"], entropy[mask].mean(), rtol=1e-12, atol=1e-13)
@@ -297,17 +306,7 @@ def test_only_completion_tokens_reach_the_vocabulary_projection(peaky_model_fact
     fused = [p.grad.clone() for p in policy.parameters()]
     policy.zero_grad()
 
-    hidden = learner_hidden_states(policy, rollout, shadow=mode == "smd").hidden
-    logprobs, entropy = token_logprobs_and_entropy(hidden, output_head(policy), rollout.completion_ids,
-                                                   temperature=0.8, chunk_size=5)  # fmt: skip
-    reference = policy_loss(
-        logprobs, logprobs.detach(), experience.advantages, experience.loss_mask, epsilon=module.epsilon,
-        epsilon_high=module.epsilon_high, loss_type=module.loss_type,
-        max_completion_length=experience.max_completion_length, token_weights=experience.token_weights,
-    ).loss  # fmt: skip
-    if kl_coef:
-        reference = reference + kl_coef * module.smd_kl(rollout, experience.loss_mask).loss
-    reference.backward()
+    reference, entropy = _step_one_by_one(module, rollout, experience, shadow=mode == "smd")
     torch.testing.assert_close(loss.detach(), reference.detach(), rtol=1e-12, atol=1e-13)
     torch.testing.assert_close(logged["train/entropy"], entropy[mask].mean(), rtol=1e-12, atol=1e-13)
     for got, param in zip(fused, policy.parameters(), strict=True):
