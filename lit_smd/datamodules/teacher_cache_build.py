@@ -57,7 +57,7 @@ from lit_smd.datamodules.teacher_cache import (
     tokenizer_fingerprint,
 )
 from lit_smd.learner import LearnerLayout, learner_hidden_states
-from lit_smd.losses.head import output_head
+from lit_smd.losses.head import head_rows, output_head, rows_of
 from lit_smd.models import Quantization, check_pretrained_source, load_causal_lm
 from lit_smd.rollout import Rollout, generate
 
@@ -90,15 +90,16 @@ def teacher_topk_logprobs(
             (`lit_smd.learner`).
 
     Returns:
-        ``(ids [B, N, k] long, logprobs [B, N, k] float32)``, sorted by decreasing log-prob; rows past a completion's
-        end hold meaningless values.
+        ``(ids [B, N, k] long, logprobs [B, N, k] float32)``, sorted by decreasing log-prob; positions past a
+        completion's end are not projected and hold zeros (meaningless values).
     """
     head = output_head(model)
     vocab_size = head.weight.shape[0]
     if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= vocab_size:
         raise ValueError(f"top_k must be an integer in [1, vocab size {vocab_size}], got {k!r}")
     hidden = learner_hidden_states(model, rollout, shadow=False, layout=layout).hidden  # [B, N, H]
-    rows = hidden.reshape(-1, hidden.shape[-1])  # [B*N, H]
+    kept = head_rows(rollout.completion_mask)  # only the completion tokens reach the vocabulary projection
+    rows = rows_of(hidden, kept)[0]  # [M, H]
     dtype = torch.float64 if hidden.dtype == torch.float64 else torch.float32
     ids, values = [], []
     for start in range(0, rows.shape[0], chunk_size):
@@ -106,8 +107,13 @@ def teacher_topk_logprobs(
         top = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [C, k] each
         values.append(top.values)
         ids.append(top.indices)
+    ids, values = torch.cat(ids), torch.cat(values)  # [M, k]
     shape = (*hidden.shape[:2], k)
-    return torch.cat(ids).view(shape), torch.cat(values).view(shape)
+    if kept is None:
+        return ids.view(shape), values.view(shape)
+    all_ids, all_values = ids.new_zeros(shape), values.new_zeros(shape)
+    all_ids[kept], all_values[kept] = ids, values
+    return all_ids, all_values
 
 
 def build_teacher_cache(

@@ -101,6 +101,28 @@ def test_batches_hold_the_teachers_top_k(cache, teacher, tokenizer):
         assert rollout.prompt_ids[row][rollout.prompt_mask[row]].tolist() == online.prompt_ids[index]
 
 
+def test_teacher_top_k_projects_only_the_completion_tokens(tokenizer):
+    """`teacher_topk_logprobs` against the full log-softmax's top-k at every completion token (float64), and zeros
+    at the positions past a completion's end, which are not projected."""
+    from lit_smd.learner import learner_hidden_states
+    from lit_smd.rollout import generate
+
+    teacher = build_tiny_model("qwen3", tokenizer=tokenizer, dtype=torch.float64, **TEACHER)
+    encoded = tokenizer(list(arithmetic(2, seed=3)["prompt"]), padding=True, return_tensors="pt")
+    rollout = generate(teacher, encoded["input_ids"], encoded["attention_mask"], max_new_tokens=6, num_generations=2,
+                       generator=torch.Generator().manual_seed(0))  # fmt: skip
+    cut = torch.arange(6)[None, :] >= torch.tensor([6, 2, 5, 1])[:, None]  # rows that stopped early
+    rollout.completion_mask = rollout.completion_mask & ~cut
+    rollout.completion_ids = rollout.completion_ids.masked_fill(cut, 0)
+    mask = rollout.completion_mask
+    ids, logprobs = teacher_topk_logprobs(teacher, rollout, 5, temperature=1.3, chunk_size=3)
+    hidden = learner_hidden_states(teacher, rollout, shadow=False).hidden  # [B, N, H]
+    full = torch.log_softmax(teacher.get_output_embeddings()(hidden) / 1.3, dim=-1).topk(5, dim=-1)
+    assert bool((~mask).any()) and torch.equal(ids[mask], full.indices[mask])
+    torch.testing.assert_close(logprobs[mask], full.values[mask], rtol=1e-12, atol=1e-12)
+    assert not ids[~mask].any() and not logprobs[~mask].any()
+
+
 def test_training_from_the_cache_needs_no_teacher(cache, tokenizer):
     student = build_tiny_model("qwen3", tokenizer=tokenizer)
     before = [p.detach().clone() for p in student.parameters()]
