@@ -57,7 +57,7 @@ from lit_smd.datamodules.teacher_cache import (
     tokenizer_fingerprint,
 )
 from lit_smd.learner import LearnerLayout, learner_hidden_states
-from lit_smd.losses.head import head_rows, output_head, rows_of
+from lit_smd.losses.head import at_rows, head_rows, output_head, rows_of
 from lit_smd.models import Quantization, check_pretrained_source, load_causal_lm
 from lit_smd.rollout import Rollout, generate
 
@@ -107,13 +107,8 @@ def teacher_topk_logprobs(
         top = torch.log_softmax(logits, -1).topk(k, dim=-1)  # [C, k] each
         values.append(top.values)
         ids.append(top.indices)
-    ids, values = torch.cat(ids), torch.cat(values)  # [M, k]
-    shape = (*hidden.shape[:2], k)
-    if kept is None:
-        return ids.view(shape), values.view(shape)
-    all_ids, all_values = ids.new_zeros(shape), values.new_zeros(shape)
-    all_ids[kept], all_values[kept] = ids, values
-    return all_ids, all_values
+    shape = rollout.completion_mask.shape  # [B, N]
+    return at_rows(torch.cat(ids)[None], kept, shape), at_rows(torch.cat(values)[None], kept, shape)  # [B, N, k] x2
 
 
 def build_teacher_cache(

@@ -203,19 +203,25 @@ def logits_chunk_rows(
 
 
 def head_rows(mask: Tensor) -> Tensor | None:
-    """``[B, N]`` bool: the positions whose hidden states reach the vocabulary projection, ``mask``'s (the padding
-    predicts nothing); None where that is every position, or none (a chunked pass needs a row): all of them then."""
-    kept = int(mask.sum())
-    return None if kept in (0, mask.numel()) else mask
+    """``[M]`` long: the flat indices of the positions of ``mask [B, N]`` whose hidden states reach the vocabulary
+    projection (the padding predicts nothing), found once (one host read); None where that is every position, or
+    none (a chunked pass needs a row): all of them then."""
+    index = mask.flatten().nonzero().flatten()  # [M]
+    return None if len(index) in (0, mask.numel()) else index
 
 
 def rows_of(values: Tensor, rows: Tensor | None) -> Tensor:
-    """``values [B, N, ...]`` at the positions of ``rows`` (`head_rows`) as one row ``[1, M, ...]``; for None all
-    of them, a view."""
-    return values.flatten(0, 1)[None] if rows is None else values[rows][None]
+    """``values [B, N, ...]`` at the positions ``rows`` (`head_rows`) as one row ``[1, M, ...]``; for None all of
+    them, a view."""
+    flat = values.flatten(0, 1)  # [B*N, ...]
+    return flat[None] if rows is None else flat.index_select(0, rows)[None]
 
 
 def at_rows(values: Tensor, rows: Tensor | None, shape: torch.Size) -> Tensor:
-    """``values [1, M]`` of the positions of ``rows`` (`head_rows`) laid out ``shape`` (``[B, N]``), 0 elsewhere
-    (differentiable)."""
-    return values.view(shape) if rows is None else values.new_zeros(shape).masked_scatter(rows, values[0])
+    """``values [1, M, ...]`` of the positions ``rows`` (`head_rows`) laid out ``[*shape, ...]`` (``shape`` is
+    ``[B, N]``), 0 elsewhere (differentiable)."""
+    out_shape = (*shape, *values.shape[2:])
+    if rows is None:
+        return values.view(out_shape)
+    flat = values.new_zeros((shape.numel(), *values.shape[2:]))  # [B*N, ...]
+    return flat.index_copy(0, rows, values[0]).view(out_shape)

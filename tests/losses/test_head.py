@@ -164,7 +164,7 @@ def test_logits_chunk_rows_off_the_cpu_and_when_given():
 def test_head_rows_select_the_masked_positions_and_lay_them_out_again():
     mask = torch.tensor([[True, True, False], [True, False, False]])
     rows = head_rows(mask)
-    assert rows is mask
+    assert torch.equal(rows, torch.tensor([0, 1, 3]))  # flat positions, row-major
     hidden = torch.arange(12.0).view(2, 3, 2).requires_grad_()
     taken = rows_of(hidden, rows)  # [1, 3, 2]: positions (0, 0), (0, 1), (1, 0)
     assert torch.equal(taken, torch.tensor([[[0.0, 1.0], [2.0, 3.0], [6.0, 7.0]]]))
