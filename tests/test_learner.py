@@ -220,7 +220,7 @@ def test_dense_slot_attention_runs_whole_slots_with_bounded_masks(model64, lengt
         blocks.append(stop - start)
         groups.append(len(block_groups))
         pieces = [piece for group in block_groups for piece in group.pieces]
-        masks.extend(piece.mask.numel() for piece in pieces if piece.mask is not None)
+        masks.extend(piece.mask(torch.float32).numel() for piece in pieces if piece.visibility is not None)
 
     spy_on_blocks(monkeypatch, record)
     packed = learner_hidden_states(model, rollout, shadow=False)

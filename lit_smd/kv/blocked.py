@@ -12,10 +12,11 @@ computed from the eviction steps where it is used. Two forms:
   the block sees (as many in every row: a slice or a gather, no mask), and the few that die within the block plus
   the block's own keys (under a mask ``[rows, 1, block, few + block]``, or plain causal when none dies). Keys evicted
   before the block are not read, so at a 50% budget a block costs about half of dense attention, and the mask is
-  about ``block x block`` instead of ``block x keys``. The backward rebuilds each block's pieces and runs the kernel's
-  backward per piece against the merged output and log-normaliser (the exact gradients of the whole softmax),
-  adding the key / value gradients into one buffer per layer. Only the queries, keys, values, output and
-  log-normaliser are kept between forward and backward. Where no key dies for a while (a row's prompt, or a
+  about ``block x block`` instead of ``block x keys``. The backward runs the kernel's backward per piece against the
+  merged output and log-normaliser (the exact gradients of the whole softmax), adding the key / value gradients into
+  one buffer per layer. Kept between forward and backward: the queries, keys, values, output and log-normaliser, and
+  the blocks' pieces without their masks while those stay under `KEPT_BLOCKS_SHARE` of the queries' bytes (at 1k-2k
+  tokens; longer, the backward walks the blocks again); masks are rebuilt. Where no key dies for a while (a row's prompt, or a
   completion whose rollout evicted only at prefill) the blocks grow to `DENSE_BLOCK` queries, two kernel calls each as
   in the dense view: a per-row pass over an 8k prompt costs what the dense one does instead of 1.11x. Rows that see
   different numbers of earlier keys (rows of different lengths: one still in its prompt, another in its completion
@@ -48,6 +49,7 @@ from lit_smd.kv.visibility import additive_block_mask, block_mask
 __all__ = [
     "BLOCK_ELEMENTS",
     "DENSE_BLOCK",
+    "KEPT_BLOCKS_SHARE",
     "MIN_BLOCK",
     "NEVER",
     "VISIBLE_BLOCK",
@@ -227,13 +229,14 @@ dense)."""
 @dataclass
 class _Piece:
     """Keys of one query block that one kernel call attends to: ``keys[:, :, index]`` (``index [B', n]``, per row),
-    then the columns ``[lo, hi)``; with an additive ``mask`` ``[B', 1, Bq, n + hi - lo]``, or top-left ``causal``
-    (the block's own keys only), or neither (every key visible to every query of the block)."""
+    then the columns ``[lo, hi)``; under a mask (``visibility``: the block's query positions ``[B' or 1, Bq]`` and the
+    keys' limits ``[B', n + hi - lo]``, made additive by `mask` where it is used), or top-left ``causal`` (the block's
+    own keys only), or neither (every key visible to every query of the block)."""
 
     index: Tensor | None
     lo: int
     hi: int
-    mask: Tensor | None = None
+    visibility: tuple[Tensor, Tensor] | None = None
     causal: bool = False
 
     def take(self, keys: Tensor) -> Tensor:
@@ -243,6 +246,18 @@ class _Piece:
             return span
         gathered = gather_keys(keys, self.index)
         return gathered if self.hi == self.lo else torch.cat([gathered, span], dim=2)
+
+    def mask(self, dtype: torch.dtype) -> Tensor | None:
+        """The additive mask ``[B', 1, Bq, n + hi - lo]`` over `take`'s keys (`additive_block_mask`), or None."""
+        if self.visibility is None:
+            return None
+        query_pos, limit = self.visibility
+        return additive_block_mask(query_pos, limit, 0 if self.index is None else self.index.shape[1], dtype)
+
+    def nbytes(self) -> int:
+        """Bytes of the tensors the piece holds (not the keys' views)."""
+        held = [self.index, *(self.visibility or ())]
+        return sum(tensor.numel() * tensor.element_size() for tensor in held if tensor is not None)
 
     def add_to(self, grad: Tensor, part: Tensor) -> None:
         """Accumulate ``part [B', H', n + hi - lo, D]`` (the gradient of `take`'s keys) into ``grad [B', H', K, D]``."""
@@ -254,6 +269,13 @@ class _Piece:
         if self.hi > self.lo:
             grad[:, :, self.lo : self.hi] += part[:, :, gathered:]
 
+
+KEPT_BLOCKS_SHARE = 0.25
+"""The forward of `visible_attention` keeps its query blocks for the backward (their pieces' key indices and limits,
+not their masks) while those take at most this share of the queries' bytes, which it keeps anyway; past that the
+backward walks them again. Walking them is about a quarter of the shadow view's backward at 1k tokens (tiny model);
+kept, they take 11% of the queries' bytes there (head size 16, two query heads per KV head), and grow with the
+square of the length."""
 
 MAX_ROW_GROUPS = 8
 """Most groups a query block's mask rows are split into where they see different numbers of earlier keys."""
@@ -268,9 +290,7 @@ class _Group:
     pieces: list[_Piece]
 
 
-def _blocks(
-    limit: Tensor, query_pos: Tensor, own_from: int, block: int, dtype: torch.dtype, counted: list[int] | None = None
-):
+def _blocks(limit: Tensor, query_pos: Tensor, own_from: int, block: int, counted: list[int] | None = None):
     """Yield ``(start, stop, groups)`` over the query blocks of `visible_attention` (``groups``: `_block_groups`):
     ``block`` queries each, halved (not below `MIN_BLOCK`) while a masked piece would hold more than
     `BLOCK_ELEMENTS` entries (many keys dying within the block). Where no key dies for longer than ``block`` queries
@@ -288,8 +308,8 @@ def _blocks(
         if grows and start >= masked_until:
             grown = min(DENSE_BLOCK, run_end - start)
             if grown > size:
-                groups = _block_groups(limit, query_pos, own_from, start, start + grown, dtype, True, True, counted)
-                if groups is not None and all(piece.mask is None for group in groups for piece in group.pieces):
+                groups = _block_groups(limit, query_pos, own_from, start, start + grown, True, True, counted)
+                if groups is not None and all(piece.visibility is None for group in groups for piece in group.pieces):
                     yield start, start + grown, groups
                     start += grown
                     continue
@@ -297,7 +317,7 @@ def _blocks(
         while True:
             quiet = deaths is not None and run_end >= start + size  # no key dies within the block
             groups = _block_groups(
-                limit, query_pos, own_from, start, start + size, dtype, size > MIN_BLOCK, quiet, counted
+                limit, query_pos, own_from, start, start + size, size > MIN_BLOCK, quiet, counted
             )
             if groups is not None:
                 break
@@ -307,8 +327,8 @@ def _blocks(
 
 
 def _block_groups(
-    limit: Tensor, query_pos: Tensor, own_from: int, start: int, stop: int, dtype: torch.dtype, bounded: bool,
-    quiet: bool, counted: list[int] | None = None,
+    limit: Tensor, query_pos: Tensor, own_from: int, start: int, stop: int, bounded: bool, quiet: bool,
+    counted: list[int] | None = None,
 ) -> list[_Group] | None:
     """The pieces (`_pieces`) of query block ``[start, stop)``, for all its mask rows at once, or per group of rows
     (`_split_rows`) where they see different numbers of earlier keys (rows of different lengths: one row's queries
@@ -325,18 +345,20 @@ def _block_groups(
             return []
         limit, query_pos = limit[subset], query_pos if query_pos.shape[0] == 1 else query_pos[subset]
     before = own_from + start
-    settled = members = None
+    settled = counts = members = None
     if before:
         settled = limit[:, :before] > query_pos[:, stop - 1 : stop]  # [B', C]: seen by every query of the block
-        members = _split_rows(settled.sum(dim=1).tolist(), 0 if quiet else stop - start)
+        counts = settled.sum(dim=1).tolist()  # [B'] ints
+        members = _split_rows(counts, 0 if quiet else stop - start)
     if members is None:
-        pieces = _pieces(limit, query_pos, own_from, start, stop, dtype, bounded, settled)
+        pieces = _pieces(limit, query_pos, own_from, start, stop, bounded, settled, counts)
         return None if pieces is None else [_Group(slice(None) if subset is None else subset, pieces)]
     groups = []
     for member in members:
         rows = torch.tensor(member, device=limit.device)
         positions = query_pos if query_pos.shape[0] == 1 else query_pos[rows]
-        pieces = _pieces(limit[rows], positions, own_from, start, stop, dtype, bounded, settled[rows])
+        pieces = _pieces(limit[rows], positions, own_from, start, stop, bounded, settled[rows],
+                         [counts[row] for row in member])  # fmt: skip
         if pieces is None:
             return None
         groups.append(_Group(rows if subset is None else subset[rows], pieces))
@@ -375,8 +397,8 @@ def _death_indices(limit: Tensor, query_pos: Tensor) -> list[int] | None:
 
 
 def _pieces(
-    limit: Tensor, query_pos: Tensor, own_from: int, start: int, stop: int, dtype: torch.dtype, bounded: bool = False,
-    settled: Tensor | None = None,
+    limit: Tensor, query_pos: Tensor, own_from: int, start: int, stop: int, bounded: bool = False,
+    settled: Tensor | None = None, counts: list[int] | None = None,
 ) -> list[_Piece] | None:
     """The keys query block ``[start, stop)`` attends to, in at most two pieces (see `visible_attention`).
 
@@ -384,7 +406,7 @@ def _pieces(
     second the other earlier keys still alive at the block's first query (gathered, padded with dead ones) and the
     block's own keys, under a mask (or top-left causal when all of them outlive the block). With ``bounded``, None
     when that mask would hold more than `BLOCK_ELEMENTS` entries. ``settled [B', own_from + start]``: which earlier
-    keys every query of the block sees, if already computed.
+    keys every query of the block sees, and ``counts`` (``[B']`` ints) how many per row, if already computed.
     """
     before = own_from + start
     query_pos = query_pos[:, start:stop]  # [B' or 1, Bq]
@@ -396,7 +418,7 @@ def _pieces(
     if before == 0:
         kept, first = 0, None
     else:
-        kept = int(settled.sum(dim=1).min())  # the same count in every row: no padding, so no mask
+        kept = min(settled.sum(dim=1).tolist() if counts is None else counts)  # the same in every row: no mask
         if kept == before:
             first = _Piece(None, 0, before)
         elif kept > 0:
@@ -412,8 +434,8 @@ def _pieces(
         rest = earlier > query_pos[:, :1]  # alive at the block's first query
         if first is not None:  # a gather (all of a row's earlier keys would have made the first piece a slice)
             rest &= ~taken
-        counts = rest.sum(dim=1)
-        rest_count = int(counts.max())
+        alive = rest.sum(dim=1)  # [B']
+        rest_count = int(alive.max())
     if rest_count == 0 and bool((own > query_pos[:, -1:]).all()):
         pieces.append(_Piece(None, before, own_from + stop, causal=True))  # plain causal: no mask
         return pieces
@@ -426,10 +448,9 @@ def _pieces(
         index = torch.zeros(rows, rest_count + 1, dtype=torch.long, device=limit.device)
         index.scatter_(1, slot, columns)
         index = index[:, :rest_count]  # padded with key 0, hidden by a zero limit
-        padding = torch.arange(rest_count, device=limit.device) >= counts[:, None]
+        padding = torch.arange(rest_count, device=limit.device) >= alive[:, None]
         rest_limit = torch.cat([limit.gather(1, index).masked_fill(padding, 0), own], dim=1)
-    mask = additive_block_mask(query_pos, rest_limit, rest_count, dtype)
-    pieces.append(_Piece(index, before, own_from + stop, mask=mask))
+    pieces.append(_Piece(index, before, own_from + stop, visibility=(query_pos, rest_limit)))
     return pieces
 
 
@@ -449,10 +470,11 @@ class _VisibleBlocks(torch.autograd.Function):
     """`visible_attention` on the CPU's fused kernel: one autograd node for all query blocks of a layer.
 
     ``build(*inputs) -> (keys, values)`` makes the ``[B', H', K, D]`` keys / values the blocks index (views or one
-    copy of ``inputs``). The forward keeps the queries, ``inputs``, the output and its log-normaliser; the backward
-    builds the keys again, rebuilds each block's pieces, runs the kernel's backward per piece against the merged
-    output and log-normaliser (exact gradients of the whole softmax), adds the key / value gradients of each block
-    into one buffer, and maps that buffer back to ``inputs`` once.
+    copy of ``inputs``). The forward keeps the queries, ``inputs``, the output and its log-normaliser, and the query
+    blocks with their pieces where they are small (`KEPT_BLOCKS_SHARE`; their masks are not kept); the backward builds
+    the keys again, walks the blocks again where they were not kept, rebuilds each masked piece's mask, runs the
+    kernel's backward per piece against the merged output and log-normaliser (exact gradients of the whole softmax),
+    adds the key / value gradients of each block into one buffer, and maps that buffer back to ``inputs`` once.
     """
 
     @staticmethod
@@ -467,7 +489,13 @@ class _VisibleBlocks(torch.autograd.Function):
         out = new(rows // fold, length, fold * heads, values.shape[-1]).transpose(1, 2)
         by_head = out.unflatten(1, (fold, heads))  # [B, fold, H', T, Dv], a view
         lse = None  # [B', H', T]
-        for start, stop, groups in _blocks(limit, query_pos, own_from, block, query.dtype, counted):
+        kept, kept_bytes = [], 0  # the walked blocks, for the backward while they stay small
+        for start, stop, groups in _blocks(limit, query_pos, own_from, block, counted):
+            if kept is not None:
+                kept.append((start, stop, groups))
+                kept_bytes += sum(piece.nbytes() for group in groups for piece in group.pieces)
+                if kept_bytes > KEPT_BLOCKS_SHARE * query.numel() * query.element_size():
+                    kept = None
             width = own_from + stop  # the keys the block may see
             for group in groups:
                 rows = group.rows
@@ -477,7 +505,7 @@ class _VisibleBlocks(torch.autograd.Function):
                 for piece in group.pieces:
                     parts.append(torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
                         group_query, piece.take(group_keys), piece.take(group_values), is_causal=piece.causal,
-                        attn_mask=piece.mask, scale=scaling,
+                        attn_mask=piece.mask(query.dtype), scale=scaling,
                     ))  # fmt: skip
                 block_out, block_lse = _merge(parts)
                 if lse is None:
@@ -489,6 +517,7 @@ class _VisibleBlocks(torch.autograd.Function):
                 lse[rows, :, start:stop] = block_lse
         ctx.save_for_backward(query, out, lse, *inputs)
         ctx.build, ctx.layout, ctx.scaling = build, layout, scaling  # the limits: integers, one length axis
+        ctx.blocks = kept
         return out
 
     @staticmethod
@@ -501,7 +530,8 @@ class _VisibleBlocks(torch.autograd.Function):
             keys, values = ctx.build(*leaves)
         grad_keys, grad_values = torch.zeros_like(keys), torch.zeros_like(values)
         grad_query = torch.empty_like(query) if counted is None else torch.zeros_like(query)
-        for start, stop, groups in _blocks(limit, query_pos, own_from, block, query.dtype, counted):
+        blocks = ctx.blocks if ctx.blocks is not None else _blocks(limit, query_pos, own_from, block, counted)
+        for start, stop, groups in blocks:
             width = own_from + stop
             # [B, fold * H', Bq, D] -> [B', H', Bq, D], as the queries were folded (`fold_kv_heads`)
             block_grad = fold_kv_heads(grad_out[:, :, start:stop], PLAIN, fold)[0]
@@ -518,7 +548,7 @@ class _VisibleBlocks(torch.autograd.Function):
                 for piece in group.pieces:
                     dq, dk, dv = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu_backward(
                         group_grad, group_query, piece.take(group_keys), piece.take(group_values), group_out,
-                        group_lse, 0.0, piece.causal, attn_mask=piece.mask, scale=ctx.scaling,
+                        group_lse, 0.0, piece.causal, attn_mask=piece.mask(query.dtype), scale=ctx.scaling,
                     )  # fmt: skip
                     total = dq if total is None else total + dq
                     piece.add_to(into[0], dk)

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -46,7 +48,9 @@ def _case(own_from, length, lifetimes, never_share, seed=0, rows=3, kv_heads=1, 
 
 
 def spy_on_blocks(monkeypatch, record) -> None:
-    """Spy on `lit_smd.kv.blocked._blocks`: ``record(limit, start, stop, groups)`` for every query block walked."""
+    """Spy on `lit_smd.kv.blocked._blocks`: ``record(limit, start, stop, groups)`` for every query block walked. The
+    forward keeps no blocks (`KEPT_BLOCKS_SHARE` 0): the backward walks them again, and is seen too."""
+    monkeypatch.setattr(blocked, "KEPT_BLOCKS_SHARE", 0.0)
     walk = blocked._blocks
 
     def spy(limit, *args):
@@ -82,11 +86,41 @@ def _exact_with_gradients(query, key, value, limit, query_pos, own_from, block):
 @pytest.mark.parametrize("own_from", [0, 5, 17])
 @pytest.mark.parametrize("block", [1, 4, 13, 64])
 @pytest.mark.parametrize("never_share", [0.0, 0.5, 1.0])
-def test_visible_attention_and_its_gradients_equal_the_full_mask(own_from, block, never_share):
+@pytest.mark.parametrize("kept", [True, False])
+def test_visible_attention_and_its_gradients_equal_the_full_mask(monkeypatch, own_from, block, never_share, kept):
     """Gathered pieces without a mask, masked pieces with padded rows, slices and plain causal own keys (``never_share
-    = 1``: every key outlives every block) all give the full mask's output and Q / K / V gradients."""
+    = 1``: every key outlives every block) all give the full mask's output and Q / K / V gradients, whether the
+    backward reuses the forward's blocks or walks them again."""
+    monkeypatch.setattr(blocked, "KEPT_BLOCKS_SHARE", math.inf if kept else 0.0)
     query, key, value, limit, query_pos = _case(own_from, 50, 30, never_share, seed=block + own_from)
     _exact_with_gradients(query, key, value, limit, query_pos, own_from, block)
+
+
+@pytest.mark.parametrize("kept", ["all", "until half", "none"])
+def test_visible_attention_backward_reuses_the_forwards_blocks_while_they_are_small(monkeypatch, kept):
+    """While the walked blocks' tensors stay under `KEPT_BLOCKS_SHARE` of the queries' bytes the backward reuses them
+    (it walks none; masks rebuilt); once they pass it (here after half of them, or at once) it walks them all again,
+    the same blocks. Exact either way."""
+    walk, walks, held = blocked._blocks, [], []
+
+    def spy(*args):
+        walks.append([])
+        for start, stop, groups in walk(*args):
+            walks[-1].append((start, stop))
+            held.append(sum(piece.nbytes() for group in groups for piece in group.pieces))
+            yield start, stop, groups
+
+    monkeypatch.setattr(blocked, "_blocks", spy)
+    query, key, value, limit, query_pos = _case(5, 50, 30, 0.5)
+    queries = query.numel() * query.element_size()
+    with torch.no_grad():  # the blocks' sizes: one walk
+        visible_attention(query, lambda k, v: (k, v), (key, value), limit, query_pos, 5, 0.3, block=4)
+    assert len(walks[0]) == 12 and sum(held) > 0  # one block grew: 4 x 5, 6 (no key dies there), 4 x 6
+    share = {"all": sum(held) + 0.5, "until half": sum(held) / 2, "none": 0.0}[kept] / queries  # (+0.5: rounding)
+    monkeypatch.setattr(blocked, "KEPT_BLOCKS_SHARE", share)
+    walks.clear()
+    _exact_with_gradients(query, key, value, limit, query_pos, 5, block=4)
+    assert walks == ([walks[0]] if kept == "all" else [walks[0]] * 2)
 
 
 def test_visible_attention_pieces_cover_each_kind(monkeypatch):
@@ -97,7 +131,7 @@ def test_visible_attention_pieces_cover_each_kind(monkeypatch):
     def spy(*args):
         result = pieces(*args)
         for piece in result:
-            kind = "causal" if piece.causal else "masked" if piece.mask is not None else "free"
+            kind = "causal" if piece.causal else "masked" if piece.visibility is not None else "free"
             kinds.add((kind, piece.index is not None))
         return result
 
@@ -226,7 +260,7 @@ def test_visible_attention_runs_rows_that_see_very_different_numbers_of_keys_apa
     the blocks grow (no key dies) and in fixed blocks."""
     seen = []
     spy_on_blocks(monkeypatch, lambda limit, start, stop, groups: seen.append(
-        [(group.rows.tolist(), [piece.mask is None for piece in group.pieces]) for group in groups]))  # fmt: skip
+        [(group.rows.tolist(), [piece.visibility is None for piece in group.pieces]) for group in groups]))  # fmt: skip
     if not grow:
         monkeypatch.setattr(blocked, "_death_indices", lambda *args: None)
     rows, kv_heads, group = 2, 2, 2
