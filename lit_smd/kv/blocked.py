@@ -7,22 +7,21 @@ the first learner did, costs gigabytes at the lengths SMD is for (one 16k-token 
 computed from the eviction steps where it is used. Two forms:
 
 * `visible_attention` (the CPU's fused kernel: plain layers, no dropout; both views, with and without gradient): one
-  autograd node per layer whose forward and backward loop over the query blocks. A block attends only to the keys it
-  can see, in two pieces whose softmaxes are merged through their log-normalisers: the earlier keys every query of
-  the block sees (as many in every row: a slice or a gather, no mask), and the few that die within the block plus
-  the block's own keys (under a mask ``[rows, 1, block, few + block]``, or plain causal when none dies). Keys evicted
-  before the block are not read, so at a 50% budget a block costs about half of dense attention, and the mask is
-  about ``block x block`` instead of ``block x keys``. The backward runs the kernel's backward per piece against the
-  merged output and log-normaliser (the exact gradients of the whole softmax), adding the key / value gradients into
-  one buffer per layer. Kept between forward and backward: the queries, keys, values, output and log-normaliser, and
-  the blocks' pieces without their masks while those stay under `KEPT_BLOCKS_SHARE` of the queries' bytes (at 1k-2k
-  tokens; longer, the backward walks the blocks again); masks are rebuilt. Where no key dies for a while (a row's prompt, or a
-  completion whose rollout evicted only at prefill) the blocks grow to `DENSE_BLOCK` queries, two kernel calls each as
-  in the dense view: a per-row pass over an 8k prompt costs what the dense one does instead of 1.11x. Rows that see
-  different numbers of earlier keys (rows of different lengths: one still in its prompt, another in its completion
-  or padding) run a block in groups of rows, so that no row's surplus keys go under a mask, and the blocks wholly in a
-  row's right padding are left out (``lengths``): per row over prompts of 8192 and 6144 tokens, 0.82x the dense pass
-  instead of 1.39x.
+  autograd node per layer whose forward and backward loop over the query blocks. A block attends only to the keys it can
+  see, in two pieces whose softmaxes are merged through their log-normalisers: the earlier keys every query of the block
+  sees (as many in every row: a slice or a gather, no mask), and the few that die within the block plus the block's own
+  keys (under a mask ``[rows, 1, block, few + block]``, or plain causal when none dies). Keys evicted before the block
+  are not read, so at a 50% budget a block costs about half of dense attention, and the mask is about ``block x block``
+  instead of ``block x keys``. The backward runs the kernel's backward per piece against the merged output and
+  log-normaliser (the exact gradients of the whole softmax), adding the key / value gradients into one buffer per layer.
+  Kept between forward and backward: the queries, keys, values, output and log-normaliser, and the blocks' pieces
+  without their masks while those stay under `KEPT_BLOCKS_SHARE` of the queries' bytes (at 1k-2k tokens; longer, the
+  backward walks the blocks again); masks are rebuilt. Where no key dies for a while (a row's prompt, or a completion
+  whose rollout evicted only at prefill) the blocks grow to `DENSE_BLOCK` queries, two kernel calls each as in the dense
+  view: a per-row pass over an 8k prompt costs what the dense one does instead of 1.11x. Rows that see different numbers
+  of earlier keys (rows of different lengths: one still in its prompt, another in its completion or padding) run a block
+  in groups of rows, so that no row's surplus keys go under a mask, and the blocks wholly in a row's right padding are
+  left out (``lengths``): per row over prompts of 8192 and 6144 tokens, 0.82x the dense pass instead of 1.39x.
 * otherwise (layers with softcap / sinks, dropout, SDPA on other devices): `block_attention` per block, with the
   block's mask ``[rows, heads, block, keys]`` (earlier keys evicted before the block gathered out, `live_keys`) and
   SDPA or the explicit-softmax path of `lit_smd.kv.features`; under autograd every block is checkpointed
