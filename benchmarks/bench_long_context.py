@@ -96,7 +96,7 @@ import torch
 from lit_smd.kv import NEVER, ShadowMask
 from lit_smd.learner import learner_hidden_states, score
 from lit_smd.losses import group_advantages, policy_loss, token_logprobs, token_logprobs_and_entropy
-from lit_smd.losses.head import CPU_CHUNK_BYTES, at_rows, head_rows, logits_chunk_rows, output_head, rows_of
+from lit_smd.losses.head import CPU_CHUNK_BYTES, logits_chunk_rows, output_head
 from lit_smd.modules._grpo_smd import grpo_pass, smd_loss_and_kl
 from lit_smd.rollout import Rollout, generate
 
@@ -356,15 +356,12 @@ def grpo_learner_step(
     learner = grpo_pass(policy, rollout, layout, shadow=smd, keep_prompt_kv=teacher)
     mark("pass")
     head, ids = output_head(policy), rollout.completion_ids
-    rows = head_rows(rollout.completion_mask)  # [B, N]: only the completion tokens reach the vocabulary
-    hidden, ids = rows_of(learner.hidden, rows), rows_of(ids, rows)  # [1, M, H], [1, M]
+    mask = rollout.completion_mask  # [B, N]: only the completion tokens reach the vocabulary
     if teacher:  # smd: the policy term's gradient reaches the head in the KL's pass, which gives the entropy
         with torch.no_grad():
-            logprobs = token_logprobs(hidden, head, ids, chunk_size=chunk_size)
-        logprobs = at_rows(logprobs, rows, rollout.completion_mask.shape).requires_grad_()
+            logprobs = token_logprobs(learner.hidden, head, ids, chunk_size=chunk_size, mask=mask).requires_grad_()
     else:
-        logprobs = at_rows(token_logprobs_and_entropy(hidden, head, ids, chunk_size=chunk_size)[0], rows,
-                           rollout.completion_mask.shape)  # fmt: skip
+        logprobs = token_logprobs_and_entropy(learner.hidden, head, ids, chunk_size=chunk_size, mask=mask)[0]
     loss = policy_loss(logprobs, logprobs.detach(), advantages, rollout.completion_mask, loss_type="grpo").loss
     mark("head")
     if teacher:

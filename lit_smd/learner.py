@@ -38,7 +38,7 @@ from lit_smd.kv.attention import ensure_attention
 from lit_smd.kv.flex import Backend, check_backend, use_flex
 from lit_smd.kv.packed import PackedPlan
 from lit_smd.kv.shadow import NEVER, AttentionPlan
-from lit_smd.losses.head import at_rows, head_rows, output_head, rows_of
+from lit_smd.losses.head import output_head
 from lit_smd.losses.logprobs import token_logprobs_and_entropy
 from lit_smd.rollout import Rollout
 
@@ -221,12 +221,10 @@ def score(
     head = output_head(model)  # refuses unknown logit post-processing before the forward
     ensure_attention(model)
     hidden = _per_row_hidden_states(model, rollout, shadow=shadow, backend=backend)  # [B, N, H]
-    rows = head_rows(rollout.completion_mask)  # the padding of completions that stopped early is not projected
-    token_logprobs, _ = token_logprobs_and_entropy(
-        rows_of(hidden, rows), head, rows_of(rollout.completion_ids, rows), temperature=temperature,
-        chunk_size=chunk_size,
-    )  # [1, M], one [chunk_size, V] block of logits at a time
-    return at_rows(token_logprobs, rows, rollout.completion_mask.shape).masked_fill(~rollout.completion_mask, 0.0)
+    return token_logprobs_and_entropy(
+        hidden, head, rollout.completion_ids, temperature=temperature, chunk_size=chunk_size,
+        mask=rollout.completion_mask,
+    )[0]  # [B, N], 0 at padding (not projected), one [chunk_size, V] block of logits at a time
 
 
 # --------------------------------------------------------------------------------------------------------- per row

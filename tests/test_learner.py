@@ -683,18 +683,18 @@ def test_kept_prompt_keys_and_hidden_states_hold_only_the_prompt(model64):
 
 def test_score_projects_in_chunks_with_the_same_result(model64, monkeypatch):
     """`score` against the sampler's log-probs, in chunks or not; only the completion tokens reach the head."""
-    import lit_smd.learner as learner_module
+    import lit_smd.losses.logprobs as logprobs_module
     from lit_smd.learner import score
 
     model = model64("qwen3")
     rollout = _rollout(model)  # completions cut short: padding in four of six rows
-    projected, head = [], learner_module.token_logprobs_and_entropy
+    projected, head = [], logprobs_module._apply  # the chunked pass, after token_logprobs_and_entropy's mask
 
     def spy(hidden, *args, **kwargs):
         projected.append(hidden.shape[:2])
         return head(hidden, *args, **kwargs)
 
-    monkeypatch.setattr(learner_module, "token_logprobs_and_entropy", spy)
+    monkeypatch.setattr(logprobs_module, "_apply", spy)
     whole = score(model, rollout, shadow=True)
     chunked = score(model, rollout, shadow=True, chunk_size=5)
     assert projected == [(1, int(rollout.completion_mask.sum()))] * 2

@@ -268,17 +268,15 @@ class DistillModule(LightningModule):
             with gathered(self.student, layers=True):  # FSDP2: the whole student for the probe
                 generator = torch.Generator(self.device).manual_seed(self.sampling_seed)
                 rollout = self._generate(self.student, prompts, generator)
-                rows = head_rows(rollout.completion_mask)  # the completion tokens only reach the projection
-                hidden = rows_of(self._hidden(self.student, rollout), rows)  # [1, M, H]
                 head = output_head(self.student)
                 _, entropy = token_logprobs_and_entropy(
-                    hidden, head, rows_of(rollout.completion_ids, rows), temperature=self.temperature,
-                    chunk_size=head.chunk_rows(self.logits_chunk_size),
-                )  # [1, M]
+                    self._hidden(self.student, rollout), head, rollout.completion_ids, temperature=self.temperature,
+                    chunk_size=head.chunk_rows(self.logits_chunk_size), mask=rollout.completion_mask,
+                )  # [B, N]: the completion tokens only reach the projection
         finally:
             self.student.train(was_training)
         return ProbeStats(
-            entropy=float(masked_mean(entropy.detach().double(), rows_of(rollout.completion_mask, rows))),
+            entropy=float(masked_mean(entropy.detach().double(), rollout.completion_mask)),
             response_length=float(rollout.completion_lengths.double().mean()),
             truncated_fraction=float(rollout.truncated.double().mean()),
         )

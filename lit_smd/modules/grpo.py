@@ -101,7 +101,7 @@ from lit_smd.kv.flex import Backend, check_backend
 from lit_smd.learner import LearnerLayout, LearnerPass, check_learner_layout
 from lit_smd.lora import LoraSettings, check_lora
 from lit_smd.losses.grpo import LossType, ScaleRewards, policy_loss
-from lit_smd.losses.head import at_rows, head_rows, output_head, rows_of
+from lit_smd.losses.head import output_head
 from lit_smd.losses.kl import KLOutput
 from lit_smd.losses.logprobs import token_logprobs, token_logprobs_and_entropy
 from lit_smd.losses.rollout_correction import RolloutCorrection, rollout_correction
@@ -344,12 +344,10 @@ class GRPOModule(LightningModule):
         keep_prompt_kv = smd_teacher and self.kl_stop_gradient == "dense"  # the dense teacher reuses the prompt
         learner = self._pass(self.policy, rollout, shadow=self.uses_shadow_view, keep_prompt_kv=keep_prompt_kv)
         if keep_prompt_kv:  # without gradient: the policy term's reaches the head in the KL's pass (smd_loss_and_kl)
-            rows = head_rows(rollout.completion_mask)  # [B, N]: the padding never reaches the vocabulary projection
-            with torch.no_grad():  # no entropy: the KL's pass gives it
-                logprobs = token_logprobs(rows_of(learner.hidden, rows), output_head(self.policy),
-                                          rows_of(rollout.completion_ids, rows), temperature=self.temperature,
-                                          chunk_size=self._chunk_rows())  # fmt: skip
-            logprobs = at_rows(logprobs, rows, rollout.completion_mask.shape)  # [B, N]
+            with torch.no_grad():  # no entropy: the KL's pass gives it; the padding never reaches the projection
+                logprobs = token_logprobs(learner.hidden, output_head(self.policy), rollout.completion_ids,
+                                          temperature=self.temperature, chunk_size=self._chunk_rows(),
+                                          mask=rollout.completion_mask)  # [B, N]  # fmt: skip
             logprobs.requires_grad_()  # the leaf the policy loss's gradient is taken at
         else:
             logprobs, entropy = self._token_logprobs(
@@ -511,14 +509,11 @@ class GRPOModule(LightningModule):
     def _token_logprobs(
         self, model: PreTrainedModel, hidden: Tensor, ids: Tensor, mask: Tensor
     ) -> tuple[Tensor, Tensor]:
-        """Log-probs and entropy ``[B, N]`` of ``ids``; only the positions of ``mask`` (`head_rows`) are projected to
-        the vocabulary, the others are 0."""
-        head, rows = output_head(model), head_rows(mask)
-        logprobs, entropy = token_logprobs_and_entropy(
-            rows_of(hidden, rows), head, rows_of(ids, rows), temperature=self.temperature,
-            chunk_size=head.chunk_rows(self.logits_chunk_size),
-        )  # [1, M] x2
-        return at_rows(logprobs, rows, ids.shape), at_rows(entropy, rows, ids.shape)
+        """Log-probs and entropy ``[B, N]`` of ``ids``; only the positions of ``mask`` are projected to the
+        vocabulary, the others are 0."""
+        head = output_head(model)
+        return token_logprobs_and_entropy(hidden, head, ids, temperature=self.temperature,
+                                          chunk_size=head.chunk_rows(self.logits_chunk_size), mask=mask)  # fmt: skip
 
     @torch.no_grad()
     def score(self, model: PreTrainedModel, rollout: Rollout, *, shadow: bool) -> Tensor:

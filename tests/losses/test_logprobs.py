@@ -174,6 +174,38 @@ def test_token_logprobs_are_those_of_token_logprobs_and_entropy_bit_for_bit(tran
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("transform", [LogitTransform(), SOFTCAP], ids=["plain", "softcap"])
+def test_a_mask_projects_only_its_positions_with_the_values_and_gradients_of_all(monkeypatch, transform):
+    """With ``mask`` only its positions reach the chunked pass; there the log-probs, entropies and gradients are those
+    of scoring every position (float64, 1e-12), elsewhere 0 with no gradient; `token_logprobs` with the same mask
+    gives `token_logprobs_and_entropy`'s log-probs bit for bit. A mask of every position, or none, scores as None
+    does, zeroed outside it."""
+    import lit_smd.losses.logprobs as logprobs_module
+
+    projected, chunked = [], logprobs_module._apply
+    monkeypatch.setattr(logprobs_module, "_apply", lambda hidden, *args, **kwargs: projected.append(
+        hidden.shape[:-1]) or chunked(hidden, *args, **kwargs))  # fmt: skip
+    hidden, weight, bias, ids = _inputs(14)
+    head = OutputHead(weight, bias, transform)
+    mask = torch.arange(7)[None, :] < torch.tensor([[5], [2]])  # completions that stopped early
+    upstream = torch.randn(2, 7, dtype=torch.float64, generator=torch.Generator().manual_seed(15))
+    params = (hidden, weight, bias)
+    logprobs, entropy = token_logprobs_and_entropy(hidden, head, ids, temperature=0.7, chunk_size=3, mask=mask)
+    alone = token_logprobs(hidden, head, ids, temperature=0.7, chunk_size=3, mask=mask)
+    assert projected == [(1, 7), (1, 7)]  # 5 + 2 positions, one row
+    every, every_entropy = token_logprobs_and_entropy(hidden, head, ids, temperature=0.7, chunk_size=3)
+    assert (logprobs - every * mask).abs().max() <= 1e-12 and (entropy - every_entropy * mask).abs().max() <= 1e-12
+    assert not logprobs[~mask].any() and not entropy[~mask].any() and torch.equal(alone, logprobs)
+    grads = torch.autograd.grad((logprobs * upstream).sum(), params)
+    for got, want in zip(grads, torch.autograd.grad((every * upstream * mask).sum(), params), strict=True):
+        assert (got - want).abs().max() <= 1e-12
+    for got, want in zip(grads, torch.autograd.grad((alone * upstream).sum(), params), strict=True):
+        assert torch.equal(got, want)
+    for whole in (torch.ones_like(mask), torch.zeros_like(mask)):
+        got, got_entropy = token_logprobs_and_entropy(hidden, head, ids, temperature=0.7, chunk_size=3, mask=whole)
+        assert torch.equal(got, every * whole) and torch.equal(got_entropy, every_entropy * whole)
+
+
 def test_kl_with_policy_grad_writes_the_student_entropy_per_token():
     hidden, weight, bias, ids = _inputs(14)
     head = OutputHead(weight, bias)

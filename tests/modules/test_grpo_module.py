@@ -266,8 +266,8 @@ def test_smd_step_equals_the_policy_loss_plus_the_separately_computed_kl(peaky_m
 def test_only_completion_tokens_reach_the_vocabulary_projection(peaky_model_factory, tokenizer, monkeypatch, mode):
     """Completions of different lengths: the step projects only the completion tokens to the vocabulary (the head's
     rows are the mask's), with the loss, the entropy metric and every gradient of projecting the whole batch."""
+    import lit_smd.losses.logprobs as logprobs_module
     import lit_smd.modules._grpo_smd as smd_module
-    import lit_smd.modules.grpo as grpo_module
 
     policy = peaky_model_factory()
     compressor = compressor_for(mode)
@@ -293,8 +293,7 @@ def test_only_completion_tokens_reach_the_vocabulary_projection(peaky_model_fact
 
         monkeypatch.setattr(owner, name, spy)
 
-    spy_on(grpo_module, "token_logprobs_and_entropy")
-    spy_on(grpo_module, "token_logprobs")
+    spy_on(logprobs_module, "_apply")  # the chunked pass of token_logprobs(_and_entropy), after their mask
     spy_on(smd_module, "kl_with_policy_grad")
     logged = {}
     module.log = lambda key, value, **kwargs: logged.__setitem__(key, value)
