@@ -55,7 +55,6 @@ from lit_smd.kv.blocked import (
     DENSE_BLOCK,
     NEVER,
     block_attention,
-    check_record_heads,
     fold_kv_heads,
     fused_blocks,
     live_keys,
@@ -67,6 +66,7 @@ from lit_smd.kv.features import PLAIN, AttentionFeatures, softmax_dtype
 from lit_smd.kv.flex import Backend, flex_feature_attention, packed_block_mask, use_flex, without_leading_queries
 from lit_smd.kv.flex_sorted import packed_sorted_keys, sorted_attention
 from lit_smd.kv.rows import causal_rows_attention
+from lit_smd.kv.visibility import check_record_heads
 
 __all__ = ["PackedPlan"]
 

@@ -18,7 +18,6 @@ from lit_smd.kv.blocked import (
     DENSE_BLOCK,
     NEVER,
     block_attention,
-    check_record_heads,
     fold_kv_heads,
     fused_blocks,
     live_keys,
@@ -27,6 +26,7 @@ from lit_smd.kv.blocked import (
     visible_attention,
 )
 from lit_smd.kv.features import AttentionFeatures, attention
+from lit_smd.kv.visibility import check_record_heads
 
 __all__ = ["causal_rows_attention"]
 

@@ -3,7 +3,8 @@ CPU's fused kernel (`lit_smd.kv.blocked`).
 
 Query ``q`` of a block sees key ``k`` iff ``query_pos[q] < limit[k]`` (the key is not evicted yet, `lit_smd.kv.shadow`)
 and, for the block's own keys, the key is not after the query. Both masks are ``[B', 1, Bq, K]``, about ``block x
-keys``: built per block where it is used, never for the whole sequence.
+keys``: built per block where it is used, never for the whole sequence. The limits come from a shadow-mask record
+with one row per KV head, or one for all of them (`check_record_heads`).
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-__all__ = ["HIDDEN_SCALE", "additive_block_mask", "block_mask"]
+__all__ = ["HIDDEN_SCALE", "additive_block_mask", "block_mask", "check_record_heads"]
 
 
 def block_mask(query_pos: Tensor, limit: Tensor, causal_from: int) -> Tensor:
@@ -66,3 +67,20 @@ def additive_block_mask(query_pos: Tensor, limit: Tensor, causal_from: int, dtyp
     mask = torch.sub(twice, centre).abs_()  # [B', Bq, K]
     mask = torch.sub(width, mask, out=mask).clamp_(max=0)  # [B', Bq, K]: 0 where visible
     return (mask if dtype == compute else mask.to(dtype))[:, None]
+
+
+def check_record_heads(record_heads: int, kv_heads: int) -> int:
+    """The KV heads of a shadow-mask record, checked against the layer's key heads.
+
+    A record holds one head per KV head, or one for all of them (multi-head latent attention: the cache keeps one
+    latent per token, expanded into the key heads after it, so one eviction serves every head).
+
+    Raises:
+        ValueError: ``record_heads`` is neither ``kv_heads`` nor 1.
+    """
+    if record_heads not in (1, kv_heads):
+        raise ValueError(
+            f"the shadow mask records {record_heads} KV heads but the layer has {kv_heads} key heads; a record "
+            "from a rollout of this model has one per KV head, or one for a latent-attention (MLA) model"
+        )
+    return record_heads
