@@ -27,6 +27,7 @@ from transformers.masking_utils import sdpa_mask
 
 from lit_smd.kv.features import AttentionFeatures, attention
 from lit_smd.kv.precision import keep_float64_norms
+from lit_smd.kv.real_tokens import mlp_on_real_tokens, set_layer_rows
 from lit_smd.reduced_matmul import float32_cpu_linears
 
 __all__ = ["ATTN_IMPLEMENTATION", "ensure_attention", "lit_smd_attention"]
@@ -53,6 +54,7 @@ def lit_smd_attention(
     """
     scaling = query.shape[-1] ** -0.5 if scaling is None else scaling
     features = AttentionFeatures.from_call(module, kwargs)
+    set_layer_rows(kwargs.get("attention_plan"), (query.shape[0], query.shape[2]))  # the layer's MLP runs these
     cache = kwargs.get("budgeted_cache")
     if cache is not None:
         return cache.attend(module.layer_idx, query, key, value, scaling, sliding_window, features), None
@@ -132,7 +134,8 @@ def ensure_attention(model: torch.nn.Module) -> None:
     """Switch ``model`` to the lit_smd attention implementation, or explain why it cannot be.
 
     Also lets its Llama-style RMSNorms compute float64 inputs in float64 (`lit_smd.kv.precision.keep_float64_norms`),
-    and its linear layers run bfloat16 / float16 by the float32 kernel on CPUs without a native one
+    its dense MLPs run a learner pass's real tokens only (`lit_smd.kv.real_tokens.mlp_on_real_tokens`), and its
+    linear layers run bfloat16 / float16 by the float32 kernel on CPUs without a native one
     (`lit_smd.reduced_matmul.float32_cpu_linears`; the same arithmetic, 5-70x faster there).
 
     Raises:
@@ -146,6 +149,7 @@ def ensure_attention(model: torch.nn.Module) -> None:
         )
     check_layer_types(model)
     keep_float64_norms(model)  # float64 models: no float32 round trip in RMSNorm (see lit_smd.kv.precision)
+    mlp_on_real_tokens(model)  # a learner pass's padding costs no MLP work (see lit_smd.kv.real_tokens)
     float32_cpu_linears(model)  # bfloat16 on CPUs without bfloat16 matmuls: the float32 kernel
     if model.config._attn_implementation == ATTN_IMPLEMENTATION:
         return

@@ -118,6 +118,21 @@ class PackedPlan:
             raise ValueError("for_slots needs a pass run with capture_prompt_kv=True first (no prompt keys stored)")
         return replace(self, steps=None, capture_prompt_kv=False, slots_only=True, _masks={})
 
+    def real_tokens(self, length: int) -> torch.Tensor | None:
+        """``[R, length]`` bool: the real prompt and slot tokens of this pass's rows (``W + S*N`` columns, or ``S*N``
+        slots-only; `lit_smd.kv.real_tokens`), or None for rows of another length."""
+        rows, device = len(self.prompt_lengths), self.prompt_lengths.device
+        if length != (0 if self.slots_only else self.prompt_width) + self.num_slots * self.slot_width:
+            return None
+        slots = torch.ones(rows, self.num_slots * self.slot_width, dtype=torch.bool, device=device)  # [R, S*N]
+        if self.slot_lengths is not None:
+            column = torch.arange(self.slot_width, device=device)
+            slots = (column < self.slot_lengths.to(device)[:, :, None]).flatten(1)  # [R, S, N] -> [R, S*N]
+        if self.slots_only:
+            return slots
+        prompt = torch.arange(self.prompt_width, device=device)[None, :] < self.prompt_lengths[:, None]  # [R, W]
+        return torch.cat([prompt, slots], dim=1)
+
     # ------------------------------------------------------------------------------------------------ attention
 
     def attend(

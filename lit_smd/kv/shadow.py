@@ -223,6 +223,11 @@ class AttentionPlan:
         )  # [B, Hq, T, D]
         return out.transpose(1, 2).contiguous()
 
+    def real_tokens(self, length: int) -> torch.Tensor:
+        """``[B, length]`` bool: each row's columns before its ``lengths`` (the later ones are padding;
+        `lit_smd.kv.real_tokens`)."""
+        return torch.arange(length, device=self.lengths.device)[None, :] < self.lengths[:, None]
+
     def block_mask(self, layer_idx: int, num_heads: int, width: int, sliding_window: int | None):
         """FlexAttention BlockMask for one layer (`lit_smd.kv.flex.row_block_mask`): the dense view's, the same for
         every layer, built once per plan and window; the shadow view's, within its blocks, per call and not kept."""
