@@ -691,13 +691,13 @@ def test_score_projects_in_chunks_with_the_same_result(model64, monkeypatch):
     projected, head = [], logprobs_module._apply  # the chunked pass, after token_logprobs_and_entropy's mask
 
     def spy(hidden, *args, **kwargs):
-        projected.append(hidden.shape[:2])
+        projected.append(hidden.shape[:-1].numel())
         return head(hidden, *args, **kwargs)
 
     monkeypatch.setattr(logprobs_module, "_apply", spy)
     whole = score(model, rollout, shadow=True)
     chunked = score(model, rollout, shadow=True, chunk_size=5)
-    assert projected == [(1, int(rollout.completion_mask.sum()))] * 2
+    assert projected == [int(rollout.completion_mask.sum())] * 2
     assert (whole - rollout.logprobs).abs().max() <= 1e-12
     assert (chunked - whole).abs().max() <= 1e-13
     with pytest.raises(ValueError, match="chunk_size"):

@@ -17,9 +17,9 @@ positions alone, elementwise, so a decode step and a teacher-forced pass get bit
 
 from __future__ import annotations
 
-from functools import partial
-
 import torch
+
+from lit_smd._forwards import own_forward
 
 __all__ = ["keep_float64_norms"]
 
@@ -54,10 +54,5 @@ def keep_float64_norms(model: torch.nn.Module) -> int:
     for module in model.modules():
         if not _is_t5_style_rms_norm(module):
             continue
-        forward = module.__dict__.get("forward")
-        if forward is None:
-            module.forward = partial(_rms_norm_forward, module)  # picklable and deep-copyable with the module
-        elif not (isinstance(forward, partial) and forward.func is _rms_norm_forward):
-            continue  # someone else's instance forward (e.g. accelerate's device hooks): left alone
-        count += 1
+        count += own_forward(module, _rms_norm_forward)  # not over someone else's (e.g. accelerate's hooks)
     return count

@@ -19,11 +19,12 @@ plain ``model(...)``) runs the MLP over every position.
 
 from __future__ import annotations
 
-from functools import partial
 from typing import NamedTuple, Protocol
 
 import torch
 from torch import Tensor
+
+from lit_smd._forwards import own_forward
 
 __all__ = ["RealRows", "mlp_on_real_tokens", "real_rows", "set_layer_rows"]
 
@@ -40,6 +41,8 @@ class _Plan(Protocol):
 
 
 _CACHE = "_lit_smd_real_rows"
+"""Where `real_rows` keeps a plan's rows: an attribute of the plan object, not a field."""
+
 
 class _Current:
     """The real rows of the decoder layer being run (`set_layer_rows`; None: every position). A plain attribute,
@@ -107,10 +110,5 @@ def mlp_on_real_tokens(model: torch.nn.Module) -> int:
         mlp = getattr(layer, "mlp", None)
         if not (hasattr(layer, "self_attn") and isinstance(mlp, torch.nn.Module) and _is_dense_mlp(mlp)):
             continue
-        forward = mlp.__dict__.get("forward")
-        if forward is None:
-            mlp.forward = partial(_mlp_forward, mlp)
-        elif not (isinstance(forward, partial) and forward.func is _mlp_forward):
-            continue
-        count += 1
+        count += own_forward(mlp, _mlp_forward)
     return count

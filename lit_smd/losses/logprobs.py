@@ -49,7 +49,7 @@ from lit_smd.losses._fused_kl import (
     token_weights,
     transformed,
 )
-from lit_smd.losses.head import OutputHead, at_rows, head_rows, rows_of
+from lit_smd.losses.head import OutputHead, head_rows
 from lit_smd.reduced_matmul import linear
 
 __all__ = ["kl_with_policy_grad", "token_logprobs", "token_logprobs_and_entropy", "token_logprobs_and_kl"]
@@ -93,8 +93,8 @@ def token_logprobs_and_entropy(
     _check_logprob_args(hidden, head, ids, temperature, chunk_size, mask)
     dtype = compute_dtype(hidden, head.weight)
     rows = None if mask is None else head_rows(mask)  # [M] flat positions, or None: every one
-    logprobs, entropy, _, _ = _apply(rows_of(hidden, rows), head, rows_of(ids, rows), None, temperature, chunk_size,
-                                     dtype)  # fmt: skip
+    hidden_rows, id_rows = _taken(hidden, ids, rows)  # [M, H], [M]
+    logprobs, entropy, _, _ = _apply(hidden_rows, head, id_rows, None, temperature, chunk_size, dtype)
     return _scattered(logprobs, rows, mask, ids.shape), _scattered(entropy, rows, mask, ids.shape)
 
 
@@ -128,8 +128,8 @@ def token_logprobs(
     _check_logprob_args(hidden, head, ids, temperature, chunk_size, mask)
     dtype = compute_dtype(hidden, head.weight)
     rows = None if mask is None else head_rows(mask)  # [M] flat positions, or None: every one
-    logprobs = _apply(rows_of(hidden, rows), head, rows_of(ids, rows), None, temperature, chunk_size, dtype,
-                      with_entropy=False)[0]  # fmt: skip
+    hidden_rows, id_rows = _taken(hidden, ids, rows)  # [M, H], [M]
+    logprobs = _apply(hidden_rows, head, id_rows, None, temperature, chunk_size, dtype, with_entropy=False)[0]
     return _scattered(logprobs, rows, mask, ids.shape)
 
 
@@ -414,11 +414,21 @@ def _chunks(num_rows: int, chunk_size: int) -> list[slice]:
     return [slice(start, start + chunk_size) for start in range(0, num_rows, chunk_size)]
 
 
+def _taken(hidden: Tensor, ids: Tensor, rows: Tensor | None) -> tuple[Tensor, Tensor]:
+    """``hidden [..., H]`` and ``ids [...]`` at the flat positions ``rows`` (`head_rows`): ``[M, H]``, ``[M]``; all
+    of them (views) for None."""
+    flat_hidden, flat_ids = hidden.reshape(-1, hidden.shape[-1]), ids.reshape(-1)  # [N, H], [N]
+    if rows is None:
+        return flat_hidden, flat_ids
+    return flat_hidden.index_select(0, rows), flat_ids.index_select(0, rows)
+
+
 def _scattered(values: Tensor, rows: Tensor | None, mask: Tensor | None, shape: torch.Size) -> Tensor:
-    """``values [M]`` of the positions ``rows`` of ``mask`` laid out ``shape``, 0 elsewhere (`at_rows`; where every
-    position or none was projected, those outside ``mask`` are zeroed)."""
-    out = at_rows(values[None], rows, shape)  # [B, N]
-    return out if rows is not None or mask is None else out.masked_fill(~mask, 0.0)
+    """``values [M]`` of the positions ``rows`` laid out ``shape``, 0 elsewhere; where every position or none was
+    projected (``rows`` None), those outside ``mask`` are zeroed."""
+    if rows is not None:
+        return values.new_zeros(shape.numel()).index_copy(0, rows, values).view(shape)
+    return values.view(shape) if mask is None else values.view(shape).masked_fill(~mask, 0.0)
 
 
 def _check_logprob_args(

@@ -192,7 +192,7 @@ def test_a_mask_projects_only_its_positions_with_the_values_and_gradients_of_all
     params = (hidden, weight, bias)
     logprobs, entropy = token_logprobs_and_entropy(hidden, head, ids, temperature=0.7, chunk_size=3, mask=mask)
     alone = token_logprobs(hidden, head, ids, temperature=0.7, chunk_size=3, mask=mask)
-    assert projected == [(1, 7), (1, 7)]  # 5 + 2 positions, one row
+    assert projected == [(7,), (7,)]  # 5 + 2 positions
     every, every_entropy = token_logprobs_and_entropy(hidden, head, ids, temperature=0.7, chunk_size=3)
     assert (logprobs - every * mask).abs().max() <= 1e-12 and (entropy - every_entropy * mask).abs().max() <= 1e-12
     assert not logprobs[~mask].any() and not entropy[~mask].any() and torch.equal(alone, logprobs)
@@ -204,6 +204,9 @@ def test_a_mask_projects_only_its_positions_with_the_values_and_gradients_of_all
     for whole in (torch.ones_like(mask), torch.zeros_like(mask)):
         got, got_entropy = token_logprobs_and_entropy(hidden, head, ids, temperature=0.7, chunk_size=3, mask=whole)
         assert torch.equal(got, every * whole) and torch.equal(got_entropy, every_entropy * whole)
+    flat = token_logprobs(hidden.flatten(0, 1), head, ids.flatten(), temperature=0.7, chunk_size=3,
+                          mask=mask.flatten())  # [B*N, H] with [B*N] ids: any leading shape, as without a mask
+    assert torch.equal(flat, alone.flatten())
 
 
 def test_kl_with_policy_grad_writes_the_student_entropy_per_token():
