@@ -84,6 +84,13 @@ def reset_resident_peak() -> int:
     return base
 
 
+def resident_rise(base: int) -> int:
+    """Bytes the resident high-water mark (``VmHWM``) rose above ``base`` (`reset_resident_peak`'s return). A block's
+    peak is at least the memory it started with, so a mark read below ``base`` (the kernel stores it lazily, and a
+    page that became resident on another thread around the reset can leave it one page under) is a rise of 0."""
+    return max(proc_status_kib("VmHWM") * 1024 - base, 0)
+
+
 def time_call(fn: Callable[[], Any], device: torch.device, *, repeats: int, warmup: int = 1) -> dict[str, Any]:
     """Wall time of ``fn()``: ``warmup`` untimed calls, then ``repeats`` timed ones (CUDA synchronised).
 

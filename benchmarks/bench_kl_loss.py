@@ -92,7 +92,7 @@ def _peak_memory(variant: str, vocab: int, args: argparse.Namespace) -> int:
         return torch.cuda.max_memory_allocated() - base
     base = C.reset_resident_peak()
     _step(variant, inputs, args)
-    return C.proc_status_kib("VmHWM") * 1024 - base
+    return C.resident_rise(base)
 
 
 def _peak_memory_in_subprocess(variant: str, vocab: int, args: argparse.Namespace) -> int:

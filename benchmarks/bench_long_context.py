@@ -440,7 +440,7 @@ class Probe:
         if self.cuda:
             torch.cuda.synchronize()
             return torch.cuda.max_memory_allocated() - self.base
-        return C.proc_status_kib("VmHWM") * 1024 - self.base
+        return C.resident_rise(self.base)
 
 
 def _zero_grad(model) -> None:

@@ -375,3 +375,15 @@ def test_long_context_default_logits_chunk_keeps_cpu_buffers_on_the_heap(run_all
     assert bench.logits_chunk(argparse.Namespace(chunk_size=7, device="cpu", dtype="float32"), "135m") == 7  # the flag
     # float64 runs: float64 logits, 8 B each, as the modules' `OutputHead.chunk_rows` sizes them
     assert bench.logits_chunk(argparse.Namespace(chunk_size=None, device="cpu", dtype="float64"), "135m") == 64
+
+
+def test_the_resident_rise_is_never_below_the_start(run_all, monkeypatch):
+    """A block's peak is at least the memory it started with: the kernel's lazily stored high-water mark read a page
+    under the base (a -4 KiB rise, seen once in the long-context smoke run) is a rise of 0; above it, the difference."""
+    common = importlib.import_module("_common")  # on the path while the run_all fixture holds it
+    base = common.reset_resident_peak()
+    assert common.resident_rise(base) >= 0
+    monkeypatch.setattr(common, "proc_status_kib", lambda field: base // 1024 - 4)
+    assert common.resident_rise(base) == 0
+    monkeypatch.setattr(common, "proc_status_kib", lambda field: base // 1024 + 8)
+    assert common.resident_rise(base) == 8 * 1024 - base % 1024
