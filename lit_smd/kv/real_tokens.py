@@ -19,6 +19,7 @@ plain ``model(...)``) runs the MLP over every position.
 
 from __future__ import annotations
 
+import threading
 from typing import NamedTuple, Protocol
 
 import torch
@@ -44,9 +45,10 @@ _CACHE = "_lit_smd_real_rows"
 """Where `real_rows` keeps a plan's rows: an attribute of the plan object, not a field."""
 
 
-class _Current:
-    """The real rows of the decoder layer being run (`set_layer_rows`; None: every position). A plain attribute,
-    which ``torch.compile`` traces (the rollout's compiled decode step sets it), unlike a ``ContextVar``."""
+class _Current(threading.local):
+    """The real rows of the decoder layer this thread runs (`set_layer_rows`; None: every position). An attribute of a
+    thread-local object, which ``torch.compile`` traces (the rollout's compiled decode step sets it), unlike a
+    ``ContextVar``."""
 
     rows: RealRows | None = None
 

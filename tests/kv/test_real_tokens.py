@@ -146,3 +146,20 @@ def test_the_plans_real_tokens_by_hand():
     plan.prompt_kv[0] = (torch.zeros(2, 1, 2, 4), torch.zeros(2, 1, 2, 4))
     assert plan.for_slots().real_tokens(6).int().tolist() == [[1, 1, 1, 1, 0, 0], [0, 0, 0, 1, 1, 0]]
     assert plan.real_tokens(7) is None
+
+
+def test_the_noted_rows_are_the_threads_own():
+    """Rows noted by one thread's layer are not another thread's: a model run on a second thread meanwhile sees none."""
+    import threading
+
+    import lit_smd.kv.real_tokens as real_tokens
+
+    plan = AttentionPlan(lengths=torch.tensor([3, 1]))
+    real_tokens.set_layer_rows(plan, (2, 4))
+    seen = []
+    thread = threading.Thread(target=lambda: seen.append(real_tokens._CURRENT.rows))
+    thread.start()
+    thread.join(timeout=10)
+    assert seen == [None] and real_tokens._CURRENT.rows.index.tolist() == [0, 1, 2, 4]
+    real_tokens.set_layer_rows(None, (2, 4))
+    assert real_tokens._CURRENT.rows is None
