@@ -375,8 +375,8 @@ def _death_indices(limit: Tensor, query_pos: Tensor) -> list[int] | None:
 
 
 def _pieces(
-    limit: Tensor, query_pos: Tensor, own_from: int, start: int, stop: int, bounded: bool = False,
-    settled: Tensor | None = None, counts: list[int] | None = None,
+    limit: Tensor, query_pos: Tensor, own_from: int, start: int, stop: int, bounded: bool, settled: Tensor | None,
+    counts: list[int] | None,
 ) -> list[_Piece] | None:
     """The keys query block ``[start, stop)`` attends to, in at most two pieces (see `visible_attention`).
 
@@ -384,19 +384,18 @@ def _pieces(
     second the other earlier keys still alive at the block's first query (gathered, padded with dead ones) and the
     block's own keys, under a mask (or top-left causal when all of them outlive the block). With ``bounded``, None
     when that mask would hold more than `BLOCK_ELEMENTS` entries. ``settled [B', own_from + start]``: which earlier
-    keys every query of the block sees, and ``counts`` (``[B']`` ints) how many per row, if already computed.
+    keys every query of the block sees, and ``counts`` (``[B']`` ints) how many per row (`_block_groups` reads both;
+    None for the first block of a pass, which has no earlier keys).
     """
     before = own_from + start
     query_pos = query_pos[:, start:stop]  # [B' or 1, Bq]
     rows = limit.shape[0]
     earlier, own = limit[:, :before], limit[:, before : own_from + stop]  # [B', C], [B', Bq]
-    if settled is None:
-        settled = earlier > query_pos[:, -1:]  # visible to every query of the block
     pieces = []
     if before == 0:
         kept, first = 0, None
     else:
-        kept = min(settled.sum(dim=1).tolist() if counts is None else counts)  # the same in every row: no mask
+        kept = min(counts)  # the same number in every row: no mask
         if kept == before:
             first = _Piece(None, 0, before)
         elif kept > 0:
