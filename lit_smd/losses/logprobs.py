@@ -49,7 +49,7 @@ from lit_smd.losses._fused_kl import (
     token_weights,
     transformed,
 )
-from lit_smd.losses.head import OutputHead, head_rows
+from lit_smd.losses.head import OutputHead, at_rows, head_rows
 from lit_smd.reduced_matmul import linear
 
 __all__ = ["kl_with_policy_grad", "token_logprobs", "token_logprobs_and_entropy", "token_logprobs_and_kl"]
@@ -424,11 +424,10 @@ def _taken(hidden: Tensor, ids: Tensor, rows: Tensor | None) -> tuple[Tensor, Te
 
 
 def _scattered(values: Tensor, rows: Tensor | None, mask: Tensor | None, shape: torch.Size) -> Tensor:
-    """``values [M]`` of the positions ``rows`` laid out ``shape``, 0 elsewhere; where every position or none was
-    projected (``rows`` None), those outside ``mask`` are zeroed."""
-    if rows is not None:
-        return values.new_zeros(shape.numel()).index_copy(0, rows, values).view(shape)
-    return values.view(shape) if mask is None else values.view(shape).masked_fill(~mask, 0.0)
+    """``values [M]`` of the positions ``rows`` laid out ``shape``, 0 elsewhere (`at_rows`); where every position or
+    none was projected (``rows`` None), those outside ``mask`` are zeroed."""
+    out = at_rows(values[None], rows, shape)  # [*shape]
+    return out if rows is not None or mask is None else out.masked_fill(~mask, 0.0)
 
 
 def _check_logprob_args(
