@@ -327,10 +327,10 @@ class GRPOModule(LightningModule):
         return self.mode == "smd"
 
     def forward(self, rollout: Rollout) -> Tensor:
-        """Log-probs ``[B, N]`` of the completion tokens under the learner's view (masked for smd, else dense)."""
+        """Log-probs ``[B, N]`` of the completion tokens under the learner's view (masked for smd, else dense), 0 at
+        padding."""
         hidden = self._pass(self.policy, rollout, shadow=self.uses_shadow_view).hidden  # [B, N, H]
-        logprobs, _ = self._token_logprobs(self.policy, hidden, rollout.completion_ids, rollout.completion_mask)
-        return logprobs.masked_fill(~rollout.completion_mask, 0.0)
+        return self._token_logprobs(self.policy, hidden, rollout.completion_ids, rollout.completion_mask)[0]
 
     # ------------------------------------------------------------------------------------------------- training
 
@@ -517,12 +517,12 @@ class GRPOModule(LightningModule):
 
     @torch.no_grad()
     def score(self, model: PreTrainedModel, rollout: Rollout, *, shadow: bool) -> Tensor:
-        """No-grad log-probs ``[B, N]`` of the completion tokens, ``scoring_batch_size`` rows at a time."""
+        """No-grad log-probs ``[B, N]`` of the completion tokens (0 at padding), ``scoring_batch_size`` rows at a
+        time."""
         step = len(rollout) if self.scoring_batch_size is None else self.scoring_batch_size
         parts = []
         for start in range(0, len(rollout), step):
             rows = rollout.select(slice(start, start + step))
             hidden = self._pass(model, rows, shadow=shadow).hidden  # [b, N, H]
-            logprobs, _ = self._token_logprobs(model, hidden, rows.completion_ids, rows.completion_mask)
-            parts.append(logprobs.masked_fill(~rows.completion_mask, 0.0))
+            parts.append(self._token_logprobs(model, hidden, rows.completion_ids, rows.completion_mask)[0])
         return torch.cat(parts)

@@ -310,6 +310,11 @@ def test_only_completion_tokens_reach_the_vocabulary_projection(peaky_model_fact
     torch.testing.assert_close(logged["train/entropy"], entropy[mask].mean(), rtol=1e-12, atol=1e-13)
     for got, param in zip(fused, policy.parameters(), strict=True):
         torch.testing.assert_close(got, param.grad, rtol=1e-9, atol=1e-12)
+    with torch.no_grad():  # the module's forward and score: the learner's log-probs, exactly 0 at the padding
+        expected = score(policy, rollout, shadow=mode == "smd", temperature=0.8)  # [B, N], per row
+        for got in (module(rollout), module.score(policy, rollout, shadow=mode == "smd")):
+            torch.testing.assert_close(got[mask], expected[mask], rtol=1e-12, atol=1e-13)
+            assert bool((got[~mask] == 0).all())
 
 
 def test_chunked_token_logprobs_match_full_log_softmax(peaky_model_factory):
